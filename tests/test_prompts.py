@@ -1,0 +1,132 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from stages.prompts import (DropLog, PromptsError, PromptsParams, build, iter_hf, iter_json_array_items,
+                            iter_jsonl, normalize_messages, package_file, SHAREGPT_FILE, SHAREGPT_PACKAGE,
+                            usable_rows)
+
+
+def run(embedded_target, tmp_path, **overrides):
+    params = PromptsParams(**{"num_samples": 30, **overrides})
+    out = tmp_path / "prompts"
+    stats = build(params, target_dir=embedded_target[0], out=out)
+    return stats, pq.read_table(out / "train.parquet").to_pylist(), pq.read_table(out / "eval.parquet").to_pylist()
+
+
+def test_embedded_prompts_and_mtbench(embedded_target, tmp_path):
+    stats, train, evaluation = run(embedded_target, tmp_path)
+    assert stats["kept"] == len(train) == 30
+    assert len({row["id"] for row in train}) == 30
+    for row in train:
+        messages = json.loads(row["messages"])
+        assert messages[-1]["role"] == "user" and messages[-1]["content"].strip()
+        assert 0 < row["num_prompt_tokens"] <= 1024
+    assert len(evaluation) == 80
+    assert all(len(q["turns"]) == 2 for q in evaluation)  # MT-bench: both turns kept
+    assert {"writing", "coding", "math", "reasoning"} <= {q["category"] for q in evaluation}
+    assert json.loads((tmp_path / "prompts" / "stats.json").read_text())["kept"] == 30
+
+
+def test_sampling_is_deterministic_for_a_seed(embedded_target, tmp_path):
+    first = [r["id"] for r in run(embedded_target, tmp_path / "a", seed=7)[1]]
+    again = [r["id"] for r in run(embedded_target, tmp_path / "b", seed=7)[1]]
+    other = [r["id"] for r in run(embedded_target, tmp_path / "c", seed=8)[1]]
+    assert first == again
+    assert first != other
+
+
+def test_truncated_json_array_keeps_whole_items_only():
+    text = '[\n {"id": 1, "conversations": []},\n {"id": 2, "conversations": []},\n {"id": 3, "conv'
+    assert [item["id"] for _, item in iter_json_array_items(text, "cut.json")] == [1, 2]
+
+
+def test_shipped_sharegpt_is_cut_off_and_recovered():
+    path = package_file(SHAREGPT_PACKAGE, SHAREGPT_FILE)
+    items = list(iter_json_array_items(path.read_text(encoding="utf-8"), path.name))
+    assert len(items) > 17_000
+    assert all("conversations" in item for _, item in items)
+
+
+BAD_ROWS = [
+    '{"messages": [{"role": "user", "content": "Explain rainbows."}]}',             # line 1 good
+    '{"messages": [{"role": "user", "content": "Explain rainbows."}',               # line 2 bad JSON
+    '{"text": "no messages here"}',                                                 # line 3 malformed
+    '{"conversations": [{"from": "robot", "value": "hi"}]}',                        # line 4 unknown role
+    '{"messages": [{"role": "assistant", "content": "only me"}]}',                  # line 5 no user turn
+    '{"messages": [{"role": "user", "content": "   "}]}',                           # line 6 empty
+    '{"messages": [{"role": "user", "content": "Explain rainbows."}]}',             # line 7 duplicate
+    '{"conversations": [{"from": "human", "value": "Write a haiku."}, {"from": "gpt", "value": "..."}]}',
+    '["a list, not an object"]',                                                    # line 9 malformed
+]
+
+
+def test_malformed_rows_are_counted_with_line_numbers(embedded_target, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(BAD_ROWS) + "\n")
+    stats, train, _ = run(embedded_target, tmp_path, source=str(bad), num_samples=10)
+    assert sorted(json.loads(r["messages"])[-1]["content"] for r in train) == ["Explain rainbows.", "Write a haiku."]
+    assert stats["dropped"] == {"malformed": 4, "no_user_turn": 1, "empty": 1, "duplicate": 1}
+    examples = " | ".join(stats["examples"]["malformed"])
+    for line in (2, 3, 4, 9):
+        assert f"bad.jsonl line {line}" in examples
+    assert "invalid JSON" in examples and "unknown role 'robot'" in examples
+
+
+def test_zero_usable_rows_is_an_error(embedded_target, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(BAD_ROWS[1:6]) + "\n")
+    with pytest.raises(PromptsError, match="zero usable rows"):
+        run(embedded_target, tmp_path, source=str(bad))
+
+
+def test_too_long_prompts_are_dropped_and_counted(embedded_target, tmp_path):
+    stats, train, _ = run(embedded_target, tmp_path, num_samples=10, max_prompt_tokens=60)
+    assert stats["dropped"]["too_long"] > 0
+    assert all(row["num_prompt_tokens"] <= 60 for row in train)
+
+
+def test_parquet_source_and_multi_turn_policy(embedded_target, tmp_path):
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Name a colour."},
+                    {"role": "assistant", "content": "Blue."}]
+    path = tmp_path / "chats.parquet"
+    pq.write_table(pa.Table.from_pylist([{"messages": conversation}]), path)
+    _, first, _ = run(embedded_target, tmp_path / "first", source=str(path), num_samples=1)
+    _, every, _ = run(embedded_target, tmp_path / "all", source=str(path), num_samples=1, multi_turn="all_turns")
+    assert json.loads(first[0]["messages"]) == conversation[:2]
+    assert json.loads(every[0]["messages"]) == conversation
+
+
+def test_hf_datasets_path_on_shipped_data(tmp_path):
+    """The code path real runs take (`datasets.load_dataset`), fed a local file of the shipped ShareGPT."""
+    path = package_file(SHAREGPT_PACKAGE, SHAREGPT_FILE)
+    items = [item for _, (_, item) in zip(range(50), iter_json_array_items(path.read_text(encoding="utf-8"), "x"))]
+    local = tmp_path / "sharegpt.jsonl"
+    # Arrow needs one schema per column: keep the fields every ShareGPT item has.
+    local.write_text("\n".join(json.dumps({"id": item["id"], "conversations": [
+        {"from": t["from"], "value": t["value"]} for t in item["conversations"]]}) for item in items) + "\n")
+    rows = list(iter_hf("json", "train", data_files=str(local)))
+    assert len(rows) == 50 and rows[3][0] == "json[train] row 3"
+    log = DropLog()
+    usable = usable_rows(iter(rows), "first_user", True, log)
+    assert len(usable) + sum(log.counts.values()) == 50
+    assert usable and usable[0][1][-1]["role"] == "user"
+
+
+def test_unknown_source_and_bad_policy(embedded_target, tmp_path):
+    with pytest.raises(PromptsError, match="unknown source"):
+        run(embedded_target, tmp_path, source="nonsense")
+    with pytest.raises(PromptsError, match="multi_turn='last'"):
+        run(embedded_target, tmp_path, multi_turn="last")
+
+
+def test_normalize_sharegpt_roles():
+    assert normalize_messages({"conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "u"},
+                                                 {"from": "gpt", "value": "a"}]}) == [
+        {"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
