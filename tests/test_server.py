@@ -1,0 +1,62 @@
+"""Server lifecycle: stop exactly what we started, status from files, the accelerator guard."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+
+import pytest
+
+from stages import server
+from stages.atomic import atomic_write_json
+from stages.generate import progress_lines
+
+
+def fake_state(state_dir, pid: int, gpu: bool, port: int = 1) -> None:
+    state = server.ServerState(pid=pid, url=f"http://127.0.0.1:{port}", model="target", model_path="/m",
+                               started_at=time.time(), gpu=gpu, log=str(state_dir / "server.log"))
+    atomic_write_json(state_dir / "server.json", state.__dict__)
+
+
+def test_stop_ends_the_whole_process_group(tmp_path):
+    # A parent with a child, in its own session, as `start` launches vLLM (API server + engine workers).
+    proc = subprocess.Popen(["bash", "-c", "sleep 300 & wait"], start_new_session=True)
+    time.sleep(0.5)
+    children = [int(p) for p in subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True,
+                                               text=True).stdout.split()]
+    assert len(children) == 2
+    fake_state(tmp_path, proc.pid, gpu=False)
+    assert server.stop(tmp_path, timeout_s=10) is True
+    proc.wait(timeout=10)
+    assert not any(server.pid_alive(pid) for pid in children)
+    assert server.ServerState.read(tmp_path) is None
+    assert server.stop(tmp_path) is False  # nothing left to stop
+
+
+def test_accelerator_guard_refuses_while_our_gpu_server_runs(tmp_path):
+    fake_state(tmp_path, os.getpid(), gpu=True)
+    with pytest.raises(SystemExit, match="extract: .* holds the GPUs; run `make stop` first"):
+        server.require_accelerators_free("extract", tmp_path)
+    fake_state(tmp_path, os.getpid(), gpu=False)  # CPU-only server: nothing to free
+    server.require_accelerators_free("extract", tmp_path)
+
+
+def test_status_of_a_running_server(vllm_server, tmp_path):
+    atomic_write_json(tmp_path / "server.json", vllm_server.__dict__)
+    line = server.status_lines(tmp_path)[0]
+    assert line.startswith(f"server: up at {vllm_server.url}, model target") and f"pid {vllm_server.pid}" in line
+    assert server.status_lines(tmp_path / "none") == ["server: not running"]
+
+
+def test_generation_progress_read_from_its_files(tmp_path):
+    assert progress_lines(tmp_path) == ["generate: no generation has run yet"]
+    run = tmp_path / "abc123"
+    run.mkdir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (run / "progress.json").write_text(json.dumps({
+        "pid": dead.pid, "total": 10, "done": 3, "errors": 1, "retries": 4, "skipped": 0, "generated_tokens": 700,
+        "rate_per_s": 0.5, "eta_s": 14.0, "started_at": 0, "updated_at": 0}))
+    line = progress_lines(tmp_path)[0]
+    assert line.startswith("generate: interrupted: 3/10 prompts, 0.50 prompts/s") and "1 errors, 4 retries" in line
