@@ -1,0 +1,279 @@
+"""The EAGLE-3 drafter: one Llama decoder layer over [embedding of token ; fused target state].
+
+Shapes: B batch, T positions, H drafter hidden size, Ht target hidden size, n aux layers.
+Training unrolls the drafter K steps over whole sequences (training-time test):
+
+    cache = TTTCache()
+    h = model.fuse(aux)                                   # [B, T, n*Ht] -> [B, T, H]
+    for k in range(K):
+        h = model.step(embeds[k], h, position_ids + k, cache)
+        loss += weight[k] * loss_fn(model.head_hidden(h), model.lm_head.weight, ...)
+
+`step` returns the layer output before the final norm: that is what the next step consumes, and
+what vLLM feeds back between draft steps (its model returns (norm(h), h) and keeps the second).
+The layout mirrors the servable checkpoint, so `state_dict()` keys are the checkpoint's keys.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import LlamaConfig, PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from kernels.ttt_attention import ttt_attention
+
+# RoPE variants whose frequencies are fixed at construction. "dynamic" and "longrope" change
+# with the sequence length, and HF and vLLM implement that differently, so a drafter trained on
+# one would not be served the same rotation by the other.
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    vocab_size: int  # the target's: embeddings and d2t/t2d index it
+    draft_vocab_size: int  # rows of lm_head
+    target_hidden_size: int
+    # vLLM ids: 0 = embedding output, X = output of target layer X-1, N = last layer before norm.
+    aux_layer_ids: tuple[int, ...]
+    rope_scaling: dict[str, Any] | None = None  # HF rope_scaling (no rope_theta); None: plain RoPE
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        ids = self.aux_layer_ids
+        # vLLM captures aux states in layer order, whatever order the config lists them in, and
+        # a repeated id is captured once: only increasing ids concatenate the way fc was trained.
+        if not ids or ids[0] < 0 or any(a >= b for a, b in zip(ids, ids[1:])):
+            raise ValueError(
+                f"aux_layer_ids must be non-empty, >= 0 and strictly increasing (vLLM concatenates aux "
+                f"states in layer order), got {list(ids)}"
+            )
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} > target vocab_size {self.vocab_size}")
+        if self.rope_type not in STATIC_ROPE_TYPES:
+            raise ValueError(f"rope_scaling type {self.rope_type!r} is not supported; use one of {STATIC_ROPE_TYPES}")
+
+    @property
+    def rope_type(self) -> str:
+        scaling = self.rope_scaling or {}
+        return scaling.get("rope_type", scaling.get("type", "default"))
+
+    @classmethod
+    def from_target(
+        cls,
+        target: PretrainedConfig,
+        *,
+        draft_vocab_size: int,
+        aux_layer_ids: tuple[int, ...] | list[int],
+        hidden_size: int | None = None,
+        intermediate_size: int | None = None,
+    ) -> "DrafterConfig":
+        """Drafter shaped like one layer of `target` (attention, RoPE, norms copied from it).
+
+        The drafter shares the target's positions, so RoPE must be the target's exactly.
+        """
+        n_layers = target.num_hidden_layers
+        if any(i > n_layers for i in aux_layer_ids):
+            raise ValueError(f"aux_layer_ids {list(aux_layer_ids)} out of range [0, {n_layers}] for this target")
+        heads = target.num_attention_heads
+        rope = dict(getattr(target, "rope_parameters", None) or {})  # transformers >= 5
+        theta = rope.pop("rope_theta", None) or getattr(target, "rope_theta", None)
+        if theta is None:
+            raise ValueError("target config has no rope_theta")
+        legacy_scaling = getattr(target, "rope_scaling", None)  # transformers < 5
+        scaling = rope or dict(legacy_scaling or {})
+        if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+            scaling = None
+        return cls(
+            hidden_size=hidden_size or target.hidden_size,
+            intermediate_size=intermediate_size or target.intermediate_size,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(target, "num_key_value_heads", None) or heads,
+            head_dim=getattr(target, "head_dim", None) or target.hidden_size // heads,
+            rms_norm_eps=target.rms_norm_eps,
+            rope_theta=float(theta),
+            max_position_embeddings=target.max_position_embeddings,
+            vocab_size=target.vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            target_hidden_size=target.hidden_size,
+            aux_layer_ids=tuple(aux_layer_ids),
+            rope_scaling=scaling,
+        )
+
+
+@dataclass
+class TTTCache:
+    """Rotated keys and values of the steps unrolled so far; step k attends to all k+1 of them."""
+
+    keys: list[Tensor] = field(default_factory=list)
+    values: list[Tensor] = field(default_factory=list)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # fp32 statistics, weight applied in the input dtype: what HF Llama and vLLM both do.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """Neox-style (rotate-half) RoPE, the style vLLM's LlamaAttention uses."""
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        if config.rope_type == "default":
+            inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim)
+            self.attention_scaling = 1.0
+        else:
+            # transformers' scaled frequency tables (llama3, yarn, ...) are what vLLM's get_rope mirrors.
+            hf = LlamaConfig(
+                hidden_size=config.hidden_size,
+                num_attention_heads=config.num_attention_heads,
+                head_dim=config.head_dim,
+                max_position_embeddings=config.max_position_embeddings,
+                rope_theta=config.rope_theta,
+                rope_scaling=config.rope_scaling,
+            )
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[config.rope_type](hf, torch.device("cpu"))
+        # A plain attribute, not a buffer: model.to(bfloat16) would round a buffer's frequencies.
+        self.inv_freq = inv_freq.float()
+
+    def forward(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos, sin of shape [..., 1, T, head_dim], broadcasting over heads."""
+        if self.inv_freq.device != position_ids.device:
+            self.inv_freq = self.inv_freq.to(position_ids.device)
+        freqs = position_ids[..., None].float() * self.inv_freq
+        angles = torch.cat([freqs, freqs], dim=-1).unsqueeze(-3)
+        return (angles.cos() * self.attention_scaling).to(dtype), (angles.sin() * self.attention_scaling).to(dtype)
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        in_features = 2 * config.hidden_size  # [norm(embedding) ; norm(hidden)]
+        self.q_proj = nn.Linear(in_features, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(in_features, self.n_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(in_features, self.n_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: TTTCache) -> Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        cache.keys.append(rotate(k, cos, sin))
+        cache.values.append(v)
+        out = ttt_attention(rotate(q, cos, sin), cache.keys, cache.values, scale=self.head_dim**-0.5)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, embeds: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor, cache: TTTCache) -> Tensor:
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        # The residual is the un-normalised hidden input (vLLM's default, norm_before_residual off).
+        h = hidden + self.self_attn(x, cos, sin, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Drafter(nn.Module):
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        self.config = config
+        n_aux = len(config.aux_layer_ids)
+        self.fc = nn.Linear(n_aux * config.target_hidden_size, config.hidden_size, bias=False)
+        self.midlayer = DecoderLayer(config)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        # The target's embedding table is used as-is when its width fits. A narrower or wider
+        # drafter needs its own table, and must ship it: vLLM then keeps the checkpoint's
+        # embed_tokens instead of sharing the target's.
+        self.embed_tokens: nn.Embedding | None = None
+        if config.hidden_size != config.target_hidden_size:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = Rotary(config)
+
+    def embed(self, input_ids: Tensor, target_embedding: Tensor) -> Tensor:
+        """Token embeddings [..., H]; `target_embedding` is the target's frozen [vocab, Ht] table."""
+        if self.embed_tokens is not None:
+            return self.embed_tokens(input_ids)
+        return F.embedding(input_ids, target_embedding)
+
+    def fuse(self, aux: Tensor) -> Tensor:
+        """[B, T, n*Ht] aux states, concatenated in increasing layer id order -> [B, T, H]."""
+        return self.fc(aux)
+
+    def step(self, embeds: Tensor, hidden: Tensor, position_ids: Tensor, cache: TTTCache) -> Tensor:
+        """One unrolled step: embeds [B, T, H], hidden [B, T, H] -> next hidden [B, T, H] (pre-norm).
+
+        position_ids [B, T] or [T] are this step's rotary positions. vLLM drafts step k from
+        anchor t at position t + k, so pass position_ids + k at step k to train what it serves.
+        Appends this step's keys/values to `cache`.
+        """
+        cos, sin = self.rotary(position_ids, hidden.dtype)
+        return self.midlayer(embeds, hidden, cos, sin, cache)
+
+    def head_hidden(self, hidden: Tensor) -> Tensor:
+        """norm(hidden): multiply by lm_head.weight.T for the draft-vocab logits."""
+        return self.norm(hidden)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """[..., draft_vocab] logits; draft id i is target id i + d2t[i]."""
+        return self.lm_head(self.norm(hidden))
+
+    def forward(self, aux: Tensor, step_embeds: list[Tensor], position_ids: Tensor) -> list[Tensor]:
+        """All K = len(step_embeds) steps in one call (what DDP/FSDP wrappers need), step k at
+        positions position_ids + k; returns head_hidden of every step."""
+        cache = TTTCache()
+        hidden = self.fuse(aux)
+        out = []
+        for k, embeds in enumerate(step_embeds):
+            hidden = self.step(embeds, hidden, position_ids + k, cache)
+            out.append(self.head_hidden(hidden))
+        return out
