@@ -1,0 +1,101 @@
+"""Stage `vocab`: the drafter's vocabulary, the N target tokens the target generates most often.
+
+Counts only generated (loss-masked) tokens: prompt tokens are never drafted. Writes the map in
+the form vLLM and SGLang read: `d2t[i]` = target id of draft id i minus i (int64 offsets) and
+`t2d` = which target ids are in the draft vocabulary (bool). Fine-tuning keeps an existing
+drafter's map instead (`from_drafter`): the rows of its lm_head belong to that map.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from stages.atomic import atomic_dir, atomic_write_json
+from stages.metrics import write_metrics
+from stages.params import load_section
+from stages.target import load_record
+
+RESPONSES = Path("artifacts/responses/responses.parquet")
+OUT = Path("artifacts/vocab")
+
+
+@dataclass
+class VocabParams:
+    draft_vocab_size: int = 8192  # 32000 for big targets
+    from_drafter: str | None = None  # a served drafter directory whose d2t/t2d to keep
+
+
+def count_generated(responses: Path, vocab_size: int) -> np.ndarray:
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for batch in pq.ParquetFile(responses).iter_batches(columns=["completion_token_ids"]):
+        ids = batch.column(0).flatten().to_numpy()
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+            raise ValueError(f"{responses}: token id {int(ids.max())} outside the target vocabulary ({vocab_size})")
+        counts += np.bincount(ids, minlength=vocab_size)
+    return counts
+
+
+def top_n_map(counts: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Most frequent first, ties by lower id; unseen ids fill up to n so the size is exactly n."""
+    order = np.lexsort((np.arange(counts.size), -counts))
+    draft_ids = np.sort(order[:n])
+    t2d = np.zeros(counts.size, dtype=bool)
+    t2d[draft_ids] = True
+    return (draft_ids - np.arange(n)).astype(np.int64), t2d
+
+
+def drafter_map(folder: Path) -> tuple[np.ndarray, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    tensors = load_file(folder / "model.safetensors")
+    if "d2t" not in tensors or "t2d" not in tensors:
+        raise ValueError(f"vocab.from_drafter={folder}: model.safetensors has no d2t/t2d vocab map")
+    return tensors["d2t"].astype(np.int64), tensors["t2d"].astype(bool)
+
+
+def build(params: VocabParams, vocab_size: int, responses: Path = RESPONSES, out: Path = OUT) -> dict[str, Any]:
+    if not 0 < params.draft_vocab_size <= vocab_size:
+        raise ValueError(f"vocab.draft_vocab_size={params.draft_vocab_size}: expected 1..{vocab_size} "
+                         "(the target's vocabulary size)")
+    counts = count_generated(responses, vocab_size)
+    if params.from_drafter:
+        d2t, t2d = drafter_map(Path(params.from_drafter))
+        if t2d.size != vocab_size:
+            raise ValueError(f"vocab.from_drafter={params.from_drafter}: t2d has {t2d.size} entries, "
+                             f"the target's vocabulary {vocab_size}")
+    else:
+        d2t, t2d = top_n_map(counts, params.draft_vocab_size)
+    total = int(counts.sum())
+    stats = {"draft_vocab_size": int(d2t.size), "target_vocab_size": vocab_size,
+             "generated_tokens": total, "distinct_generated": int((counts > 0).sum()),
+             "coverage": round(float(counts[t2d].sum()) / total, 6) if total else 0.0,
+             "source": params.from_drafter or "top_n"}
+    with atomic_dir(out) as tmp:
+        np.save(tmp / "d2t.npy", d2t)
+        np.save(tmp / "t2d.npy", t2d)
+        atomic_write_json(tmp / "stats.json", stats)
+    return stats
+
+
+def main() -> None:
+    start = time.monotonic()
+    params = load_section("vocab", VocabParams)
+    try:
+        stats = build(params, load_record()["vocab_size"])
+    except ValueError as err:
+        sys.exit(f"vocab: {err}")
+    wall = time.monotonic() - start
+    write_metrics("vocab", wall, items=stats["draft_vocab_size"], tokens=stats["generated_tokens"], **stats)
+    print(f"vocab: {stats['draft_vocab_size']} of {stats['target_vocab_size']} target tokens cover "
+          f"{stats['coverage']:.2%} of {stats['generated_tokens']} generated tokens "
+          f"({stats['distinct_generated']} distinct), {wall:.1f}s -> {OUT}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""The extract stage on the embedded SmolLM2 target (CPU): what it captures, batching, resume."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from stages import extract
+from stages.extract import ExtractError, ExtractParams, run_extraction
+from stages.generate import render
+from stages.hidden_reader import HiddenStore, to_torch
+
+TEXTS = ["What is the capital of France?", "Write two lines about the sea.", "Count to five.",
+         "Name a fruit that is red and round, and explain in a few words why people like it.", "Hi"]
+
+
+@pytest.fixture(scope="module")
+def responses(tmp_path_factory, tokenizer):
+    """Responses as the generate stage writes them, with completions of varied length."""
+    rows = []
+    for i, text in enumerate(TEXTS):
+        messages = [{"role": "user", "content": text}]
+        completion = tokenizer.encode(" ".join(["Sure, here is an answer."] * (i + 1)), add_special_tokens=False)
+        rows.append({"id": f"p{i}:0", "messages": json.dumps(messages),
+                     "prompt_token_ids": render(tokenizer, messages, generation_prompt=True),
+                     "completion_token_ids": completion + [tokenizer.convert_tokens_to_ids("<|im_end|>")]})
+    path = tmp_path_factory.mktemp("responses") / "responses.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def run(embedded_target, tokenizer, responses, tmp_path, **overrides):
+    params = ExtractParams(**{"compress_threads": 1, **overrides})
+    summary = run_extraction(params, embedded_target[1], tokenizer, responses=responses, out=tmp_path / "hidden",
+                             work_root=tmp_path / "work")
+    return summary, HiddenStore(tmp_path / "hidden")
+
+
+def test_captures_the_aux_layers_and_the_pre_norm_last_state(embedded_target, tokenizer, responses, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    summary, store = run(embedded_target, tokenizer, responses, tmp_path)
+    assert store.manifest["aux_layer_ids"] == [2, 15, 27] and store.manifest["last_state"] == "pre_norm"
+    assert summary["samples"] == len(TEXTS) and summary["new_tokens"] == summary["tokens"]
+    model = AutoModelForCausalLM.from_pretrained(embedded_target[0]).eval()
+    sample = to_torch(store.get("p3:0"))
+    ids = torch.from_numpy(sample["input_ids"].numpy().astype(np.int64))[None]
+    with torch.no_grad():
+        hidden = model(ids, output_hidden_states=True).hidden_states
+    expected_aux = torch.cat([hidden[i][0] for i in (2, 15, 27)], dim=-1)  # HF hidden_states[X] = vLLM id X
+    torch.testing.assert_close(sample["aux"].float(), expected_aux, atol=0.02, rtol=0.02)
+    # HF's last entry is after the final norm; ours is before it, and the norm maps one to the other.
+    torch.testing.assert_close(model.model.norm(sample["last"].float()), hidden[-1][0], atol=0.02, rtol=0.02)
+    mask = sample["loss_mask"].numpy()
+    row = pq.read_table(responses).to_pylist()[3]
+    assert mask.sum() == len(row["completion_token_ids"]) and mask[: len(row["prompt_token_ids"])].sum() == 0
+
+
+def test_batched_capture_equals_one_at_a_time(embedded_target, tokenizer, responses, tmp_path):
+    _, batched = run(embedded_target, tokenizer, responses, tmp_path / "batched", max_tokens_per_batch=16384)
+    _, single = run(embedded_target, tokenizer, responses, tmp_path / "single", max_tokens_per_batch=1)
+    assert sorted(batched.sample_ids) == sorted(single.sample_ids)
+    for sample_id in single.sample_ids:
+        a, b = to_torch(batched.get(sample_id)), to_torch(single.get(sample_id))
+        assert torch.equal(a["input_ids"], b["input_ids"])
+        for name in ("aux", "last"):  # padding must not leak into real positions
+            torch.testing.assert_close(a[name].float(), b[name].float(), atol=0.05, rtol=0.02)
+
+
+def test_resume_after_a_crash_stores_each_sample_once(embedded_target, tokenizer, responses, tmp_path, monkeypatch):
+    forwarded = []
+    real_forward = extract.forward_batch
+
+    def crashing_forward(model, capture, batch, device):
+        if len(forwarded) == 3:
+            raise RuntimeError("simulated crash")
+        forwarded.extend(s.id for s in batch)
+        return real_forward(model, capture, batch, device)
+
+    monkeypatch.setattr(extract, "forward_batch", crashing_forward)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run(embedded_target, tokenizer, responses, tmp_path, max_tokens_per_batch=1, shard_mb=1e-6)
+    stored_before = set(extract.completed_sample_ids(next((tmp_path / "work").iterdir())))
+    assert 0 < len(stored_before) < len(TEXTS)
+    calls: list[str] = []
+    monkeypatch.setattr(extract, "forward_batch",
+                        lambda m, c, b, d: calls.extend(s.id for s in b) or real_forward(m, c, b, d))
+    summary, store = run(embedded_target, tokenizer, responses, tmp_path, max_tokens_per_batch=1, shard_mb=1e-6)
+    assert not set(calls) & stored_before  # finished work is not redone
+    assert sorted(store.sample_ids) == sorted(f"p{i}:0" for i in range(len(TEXTS)))
+    assert summary["samples"] == len(TEXTS)
+
+
+def test_over_length_sequences_truncated_or_skipped(embedded_target, tokenizer, responses, tmp_path):
+    summary, store = run(embedded_target, tokenizer, responses, tmp_path / "t", max_seq_len=40)
+    assert summary["truncated"] == len(TEXTS) and store.num_tokens.max() == 40
+    summary, store = run(embedded_target, tokenizer, responses, tmp_path / "s", max_seq_len=40, over_length="skip")
+    assert summary["skipped"] == len(TEXTS) and summary["samples"] == 0
+
+
+def test_responses_from_another_tokenizer_are_refused(embedded_target, tokenizer, responses, tmp_path):
+    rows = pq.read_table(responses).to_pylist()
+    rows[2]["prompt_token_ids"] = [t + 1 for t in rows[2]["prompt_token_ids"]]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "other.parquet")
+    with pytest.raises(ExtractError, match="response p2:0 was not rendered with artifacts/target's tokenizer"):
+        run(embedded_target, tokenizer, tmp_path / "other.parquet", tmp_path)
+
+
+def test_aux_ids_out_of_range(embedded_target, tokenizer, responses, tmp_path):
+    with pytest.raises(ExtractError, match=r"aux_layer_ids=\[2, 15, 31\]: expected increasing ids in 0..30"):
+        run(embedded_target, tokenizer, responses, tmp_path, aux_layer_ids=[2, 15, 31])
