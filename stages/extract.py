@@ -277,8 +277,8 @@ def main() -> None:
     if "samples" not in summary:  # not rank 0
         return
     wall = time.monotonic() - start
-    write_metrics("extract", wall, items=summary["samples"], tokens=summary["tokens"], **summary)
-    print(f"extract: {summary['samples']} samples, {summary['tokens']} tokens ({summary['new_tokens']} new at "
+    summary = write_metrics("extract", wall, items=summary.pop("samples"), tokens=summary.pop("tokens"), **summary)
+    print(f"extract: {summary['items']} samples, {summary['tokens']} tokens ({summary['new_tokens']} new at "
           f"{summary['new_tokens_per_s']} tok/s), {summary['raw_bytes'] / 1e6:.1f} MB raw -> "
           f"{summary['stored_bytes'] / 1e6:.1f} MB stored ({summary['stored_over_raw']:.3f}, "
           f"{summary['bytes_per_token']} B/token), {summary['truncated']} truncated, {summary['skipped']} skipped, "
