@@ -235,3 +235,21 @@ def test_thinking_template_with_a_managed_server(tmp_path, embedded_target):
     assert any(row["reasoning"] for row in rows)
     assert "template_mismatches" in metrics(cwd)
     assert thinking["chat_template"]
+
+
+def test_multi_turn_last_and_all_modes(tmp_path, embedded_target, vllm_server):
+    conversation = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "ORIGINAL"},
+                    {"role": "user", "content": "Name another one."}, {"role": "assistant", "content": "ORIGINAL"}]
+    prompt = [{"id": prompt_id(conversation), "messages": json.dumps(conversation), "num_prompt_tokens": 0,
+               "source": "test", "origin": "test"}]
+    last = workdir(tmp_path / "last", embedded_target[0], prompt, server_url=vllm_server.url)
+    generate(last)
+    (row,) = responses(last)
+    assert json.loads(row["messages"]) == conversation[:3]  # the original answers are context, the last is redone
+    every = workdir(tmp_path / "all", embedded_target[0], prompt, server_url=vllm_server.url, regenerate="all")
+    generate(every)
+    first, second = responses(every)
+    assert (first["turn"], second["turn"]) == (0, 1)
+    context = json.loads(second["messages"])
+    assert [m["role"] for m in context] == ["user", "assistant", "user"]
+    assert context[1]["content"] == first["content"] != "ORIGINAL"  # the model's own earlier answer

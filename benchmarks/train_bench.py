@@ -1,0 +1,325 @@
+"""Drafter training throughput at Llama-3.1-8B geometry: our train step against SpecForge's.
+
+A full step: all K TTT steps forward, soft cross-entropy against the target's distribution,
+backward, gradient clipping, AdamW step; fp32 master weights, bf16 autocast on a GPU (fp32 on
+CPU). The offline path on random data: batch 1 x 2048 tokens, target distribution from a frozen
+target lm_head over a stored last state, token embeddings from a frozen [128256, 4096] table;
+H = Ht = 4096, intermediate 14336, 32 query / 8 KV heads, draft vocab 32000, K = 7.
+
+Variants: ours eager and (on a GPU) ours with the drafter torch.compile'd; with --specforge, SpecForge
+with each attention backend; the top-level figures are each implementation's fastest variant.
+Reported per variant: tokens/s (median step time over --seconds of timed steps, after --warmup
+steps that include torch.compile's), peak memory of the timed steps (max_memory_allocated) and
+MFU. MFU counts the same model FLOPs for every implementation, per token:
+  fc, forward + backward, once:                        6 * 3*Ht*H
+  per TTT step, layer + draft lm_head fwd + bwd:       6 * (layer matmul params + H*Vd)
+  per TTT step, the target head forward:               2 * Ht*Vd
+plus attention: 4 * (heads*head_dim) FLOPs per visible key per query forward, x3 with backward;
+at TTT step k query t sees t+1 causal keys and k diagonal ones.
+
+  python benchmarks/train_bench.py --out benchmarks/results/train-h200.json --specforge ~/SpecForge
+  python benchmarks/train_bench.py --tiny --seconds 2                           (CPU smoke run)
+
+--specforge DIR imports SpecForge from DIR and times OnlineEagle3Model around
+LlamaForCausalLMEagle3 with the "sdpa" and "flex_attention" backends, loss = sum 0.8^k * step
+loss (its own trainer's weighting), same data, optimizer and precision. SpecForge's offline
+teacher is full-vocabulary logits of its TargetHead (lm_head only: it stores post-norm states).
+Any SpecForge failure is recorded in the JSON instead of stopping the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a plain script from anywhere
+from stages.drafter import Drafter, DrafterConfig, RMSNorm  # noqa: E402
+from stages.metrics import machine_info  # noqa: E402
+from stages.train import DraftLoss, TrainParams, make_optimizer  # noqa: E402
+from stages.train_data import Batch, collate  # noqa: E402
+from stages.train_teacher import Teacher  # noqa: E402
+
+DECAY = 0.8
+AUX_IDS = (2, 16, 29)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    hidden: int = 4096
+    intermediate: int = 14336
+    heads: int = 32
+    kv_heads: int = 8
+    vocab: int = 128256
+    draft_vocab: int = 32000
+    seq: int = 2048
+    ttt_steps: int = 7
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def llama_config(self, **extra: Any) -> LlamaConfig:
+        return LlamaConfig(
+            hidden_size=self.hidden,
+            intermediate_size=self.intermediate,
+            num_hidden_layers=32,
+            num_attention_heads=self.heads,
+            num_key_value_heads=self.kv_heads,
+            vocab_size=self.vocab,
+            max_position_embeddings=8192,
+            rope_theta=500000.0,
+            rms_norm_eps=1e-5,
+            **extra,
+        )
+
+
+TINY = Geometry(hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=512, draft_vocab=128, seq=128)
+
+
+def model_flops(g: Geometry) -> float:
+    """Model FLOPs of one training step (see the module docstring)."""
+    t, h, q, kv = g.seq, g.hidden, g.heads * g.head_dim, g.kv_heads * g.head_dim
+    layer = 2 * h * (q + 2 * kv) + q * h + 3 * h * g.intermediate
+    per_token = 6 * 3 * h * h + g.ttt_steps * (6 * (layer + h * g.draft_vocab) + 2 * h * g.draft_vocab)
+    visible = sum(t * (t + 1) / 2 + k * t for k in range(g.ttt_steps))
+    return t * per_token + 3 * 4 * q * visible
+
+
+@dataclass
+class Data:
+    """One random sample on the device, and the frozen target parts."""
+
+    ids: torch.Tensor  # [T] int64
+    aux: torch.Tensor  # [T, 3*Ht] bf16
+    last: torch.Tensor  # [T, Ht] bf16
+    embed: torch.Tensor  # [V, Ht] bf16
+    lm_head: torch.Tensor  # [V, Ht] bf16
+    d2t: torch.Tensor  # [Vd] int64
+    t2d: torch.Tensor  # [V] bool
+
+
+def random_data(g: Geometry, device: torch.device) -> Data:
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    draft_ids = torch.randperm(g.vocab, generator=gen)[: g.draft_vocab].sort().values
+    t2d = torch.zeros(g.vocab, dtype=torch.bool)
+    t2d[draft_ids] = True
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).to(device, torch.bfloat16)
+
+    return Data(
+        ids=torch.randint(0, g.vocab, (g.seq,), generator=gen).to(device),
+        aux=rand(g.seq, 3 * g.hidden),
+        last=rand(g.seq, g.hidden),
+        embed=rand(g.vocab, g.hidden, scale=0.02),
+        lm_head=rand(g.vocab, g.hidden, scale=0.02),
+        d2t=(draft_ids - torch.arange(g.draft_vocab)).to(device),
+        t2d=t2d.to(device),
+    )
+
+
+def autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def adamw_step(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> None:
+    torch.nn.utils.clip_grad_norm_(params, 0.5)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def ours(g: Geometry, data: Data, device: torch.device, compiled: bool) -> Callable[[], None]:
+    """The train stage's step: DraftLoss (TTT attention kernel, chunked soft-CE) + AdamW."""
+    config = DrafterConfig.from_target(g.llama_config(), draft_vocab_size=g.draft_vocab, aux_layer_ids=AUX_IDS)
+    drafter = Drafter(config).to(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    norm = RMSNorm(g.hidden, 1e-5).requires_grad_(False)
+    teacher = Teacher(data.embed, data.lm_head[torch.arange(g.draft_vocab, device=device) + data.d2t], norm)
+    sample = {"input_ids": data.ids.cpu(), "loss_mask": torch.ones(g.seq, dtype=torch.uint8),
+              "aux": data.aux.cpu(), "last": data.last.cpu()}
+    batch: Batch = collate([sample], ttt_steps=g.ttt_steps, max_seq_len=g.seq, prompt_loss_weight=0.0)
+    batch = batch.to(device, dtype)
+    loss = DraftLoss(drafter, teacher.to(device, dtype), g.ttt_steps, chunk_size=1024)
+    if compiled:
+        drafter.compile()
+    optimizer = make_optimizer(drafter, TrainParams(), device)
+    weights = batch.step_weights(g.ttt_steps)
+    scale = torch.tensor([DECAY**k for k in range(g.ttt_steps)], device=device) / weights
+    params = list(drafter.parameters())
+
+    def step() -> None:
+        with autocast(device):
+            objective, _, _ = loss(batch, scale)
+        objective.backward()
+        adamw_step(params, optimizer)
+
+    return step
+
+
+def import_first(modules: list[str], name: str) -> Any:
+    errors = []
+    for module in modules:
+        try:
+            return getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as e:
+            errors.append(f"{module}: {e}")
+    raise ImportError(f"{name} not found: {'; '.join(errors)}")
+
+
+def specforge(g: Geometry, data: Data, device: torch.device, backend: str) -> Callable[[], None]:
+    """SpecForge's OnlineEagle3Model over LlamaForCausalLMEagle3, fed as its offline trainer does:
+    input ids and target shifted left by one (TargetHead.preprocess), loss mask [B, T, 1]."""
+    # Its trainer module moved from specforge.core.eagle3 to specforge.algorithms.eagle3.model in 2026.
+    model_cls = import_first(["specforge.algorithms.eagle3.model", "specforge.core.eagle3"], "OnlineEagle3Model")
+    draft_cls = import_first(["specforge.modeling.draft.llama3_eagle"], "LlamaForCausalLMEagle3")
+    config = g.llama_config(draft_vocab_size=g.draft_vocab, hidden_act="silu", pretraining_tp=1,
+                            tie_word_embeddings=False)
+    config.num_hidden_layers = 1
+    draft = draft_cls(config, attention_backend=backend).to(device)
+    with torch.no_grad():
+        draft.t2d.copy_(data.t2d)
+        draft.d2t.copy_(data.d2t)
+        draft.embed_tokens.weight.copy_(data.embed)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # as ours: bf16 states under autocast
+    draft.embed_tokens.to(dtype).requires_grad_(False)  # frozen, as its trainer has it
+    model = model_cls(draft_model=draft, length=g.ttt_steps, attention_backend=backend).to(device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
+    shifted_ids = torch.cat([data.ids[1:], data.ids.new_zeros(1)])[None]
+    shifted_last = torch.cat([data.last[1:], data.last.new_zeros(1, g.hidden)])[None].to(dtype)
+    lm_head = data.lm_head.to(dtype)
+    hidden_states = data.aux[None].to(dtype)
+    attention_mask = torch.ones(1, g.seq, dtype=torch.bool, device=device)
+    loss_mask = torch.ones(1, g.seq, 1, device=device)
+
+    def step() -> None:
+        with autocast(device):
+            with torch.no_grad():
+                target = F.linear(shifted_last, lm_head)  # [1, T, V]: its TargetHead
+            out = model(input_ids=shifted_ids, attention_mask=attention_mask, target=target, loss_mask=loss_mask,
+                        hidden_states=hidden_states)
+            loss = sum(DECAY**k * p for k, p in enumerate(out[0]))
+        loss.backward()
+        adamw_step(params, optimizer)
+
+    return step
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(step: Callable[[], None], g: Geometry, device: torch.device, warmup: int, seconds: float,
+            peak_flops: float) -> dict[str, Any]:
+    for _ in range(warmup):
+        step()
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < 3 or time.perf_counter() - start < seconds:
+        t0 = time.perf_counter()
+        step()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    median = statistics.median(times)
+    return {
+        "tokens_per_s": round(g.seq / median, 1),
+        "step_ms": round(1e3 * median, 2),
+        "timed_steps": len(times),
+        "mfu": round(model_flops(g) / median / peak_flops, 4),
+        "peak_memory_gb": round(torch.cuda.max_memory_allocated(device) / 2**30, 3) if device.type == "cuda" else None,
+    }
+
+
+def release(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_variant(name: str, build: Callable[[], Callable[[], None]], args: argparse.Namespace, g: Geometry,
+                device: torch.device) -> dict[str, Any]:
+    print(f"[train_bench] {name} ...", file=sys.stderr, flush=True)
+    try:
+        result = measure(build(), g, device, args.warmup, args.seconds, args.peak_tflops * 1e12)
+    except Exception as e:  # a reference that fails must not cost us our own figures
+        result = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=8)}
+    release(device)
+    print(f"[train_bench] {name}: {json.dumps({k: v for k, v in result.items() if k != 'traceback'})}",
+          file=sys.stderr, flush=True)
+    return result
+
+
+def fastest(variants: dict[str, dict[str, Any]], prefix: str) -> str | None:
+    """The fastest variant of one implementation that ran."""
+    ran = [name for name, result in variants.items() if name.startswith(prefix) and "tokens_per_s" in result]
+    return max(ran, key=lambda name: variants[name]["tokens_per_s"], default=None)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="tiny geometry (CPU smoke run)")
+    p.add_argument("--seconds", type=float, default=30.0, help="timed seconds per variant")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (torch.compile happens here)")
+    p.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 peak of the device for MFU (H200 measured)")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile'd variant of ours")
+    p.add_argument("--specforge", type=Path, help="a SpecForge checkout to compare against")
+    p.add_argument("--out", type=Path, help="JSON result file")
+    args = p.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    g = TINY if args.tiny else Geometry()
+    data = random_data(g, device)
+    use_compile = device.type == "cuda" and not args.no_compile
+    variants = {"ours_eager": run_variant("ours eager", lambda: ours(g, data, device, False), args, g, device)}
+    if use_compile:
+        variants["ours_compiled"] = run_variant("ours compiled", lambda: ours(g, data, device, True), args, g, device)
+    if args.specforge:
+        sys.path.insert(0, str(args.specforge.resolve()))
+        for backend in ("sdpa", "flex_attention"):
+            variants[f"specforge_{backend}"] = run_variant(
+                f"specforge {backend}", lambda b=backend: specforge(g, data, device, b), args, g, device
+            )
+    mine = fastest(variants, "ours")
+    reference = fastest(variants, "specforge")
+    record = {
+        "ours_tokens_per_s": variants[mine]["tokens_per_s"] if mine else None,
+        "ours_variant": mine,
+        "reference_tokens_per_s": variants[reference]["tokens_per_s"] if reference else None,
+        "reference": reference,
+        "mfu": variants[mine]["mfu"] if mine else None,
+        "peak_memory_gb": variants[mine]["peak_memory_gb"] if mine else None,
+        "reference_peak_memory_gb": variants[reference]["peak_memory_gb"] if reference else None,
+        "command": " ".join(sys.argv),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "device": machine_info() | {"torch": torch.__version__, "device": str(device)},
+        "geometry": asdict(g),
+        "model_gflops_per_step": round(model_flops(g) / 1e9, 1),
+        "setup": "fp32 master weights, AdamW, grad clip 0.5; bf16 autocast on CUDA, fp32 on CPU",
+        "variants": variants,
+    }
+    text = json.dumps(record, indent=2) + "\n"
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

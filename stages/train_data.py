@@ -1,0 +1,196 @@
+"""Which samples train together, and how a sample's arrays line up with the drafter's TTT steps.
+
+Alignment (design.md, "Drafter"): anchor t reads the target's aux states at t. TTT step k feeds
+the embedding of token t+1+k and learns the target's next-token distribution at position t+1+k
+(from the target's `last` state there), i.e. it predicts token t+2+k; it is valid while
+t+1+k < T. Step 0 is what vLLM's proposer does first: the states of the last verified position
+plus the token just sampled from them. So a batch holds the anchors' aux states (L = T-1
+anchors) and "next" arrays whose column j = t+k holds what position j+1 contributes; step k
+reads columns k .. k+L-1 of them (`Batch.step`).
+
+Batching: one sample per row, right-padded. The TTT attention is causal plus diagonals, so a
+real position never sees the padding after it; packing several samples into one row would
+need a document mask that attention does not have. A batch holds at most max_tokens_per_batch
+padded tokens. An optimizer step takes batches_per_step batches from a plan that depends only
+on the store's index, the seed and the epoch, never on the world size: the ranks split each
+step's batches, so 1 or N processes train on identical global batches.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+from stages.hidden_reader import HiddenStore, to_torch
+
+
+def is_heldout(sample_id: str, fraction: float) -> bool:
+    """Held-out membership from the sample id alone: stable across runs, seeds and params."""
+    digest = hashlib.sha256(sample_id.encode()).digest()
+    return int.from_bytes(digest[:8], "big") < fraction * 2**64
+
+
+def pack(rows: Sequence[int], lengths: np.ndarray, max_tokens: int) -> list[list[int]]:
+    """Consecutive rows into batches whose padded size (rows x longest) stays within max_tokens."""
+    batches: list[list[int]] = []
+    longest = 0
+    for row in rows:
+        n = int(lengths[row])
+        if batches and (len(batches[-1]) + 1) * max(longest, n) <= max_tokens:
+            batches[-1].append(int(row))
+            longest = max(longest, n)
+        else:
+            batches.append([int(row)])
+            longest = n
+    return batches
+
+
+def epoch_steps(
+    rows: np.ndarray,
+    lengths: np.ndarray,
+    *,
+    seed: int,
+    epoch: int,
+    max_tokens: int,
+    length_group: int,
+    batches_per_step: int,
+) -> list[list[list[int]]]:
+    """One epoch's optimizer steps, each a list of batches (lists of index rows).
+
+    Shuffled by (seed, epoch). Each window of `length_group` shuffled samples is sorted by length
+    before packing, so a batch holds similar lengths (little padding) while the epoch stays
+    shuffled; the batches are shuffled again. Batches that do not fill a last step are dropped
+    (different ones each epoch).
+    """
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(rows)
+    grouped = [
+        row
+        for start in range(0, len(order), length_group)
+        for row in sorted(order[start : start + length_group], key=lambda r: -lengths[r])
+    ]
+    batches = pack(grouped, lengths, max_tokens)
+    batches = [batches[i] for i in rng.permutation(len(batches))]
+    usable = len(batches) - len(batches) % batches_per_step
+    return [batches[i : i + batches_per_step] for i in range(0, usable, batches_per_step)]
+
+
+def distribution_weights(loss_mask: Tensor, length: int, prompt_loss_weight: float) -> Tensor:
+    """Loss weight [length] of the target's distribution at each position p of a sample cut to
+    `length` tokens: 1 where the token it predicts (p+1) was generated, prompt_loss_weight
+    elsewhere. Past the stored tokens the predicted token is unknown and counts as not
+    generated; a sample cut shorter than stored still sees its real next token's mask."""
+    generated = torch.zeros(length, dtype=torch.bool)
+    following = loss_mask[1 : length + 1].bool()
+    generated[: len(following)] = following
+    return torch.where(generated, 1.0, float(prompt_loss_weight))
+
+
+@dataclass
+class Batch:
+    aux: Tensor  # [B, L, n*Ht] the target's aux states at anchors t = 0..L-1
+    next_ids: Tensor  # [B, L+K-1] int64: column j holds token j+1
+    next_last: Tensor  # [B, L+K-1, Ht] the target's `last` state at position j+1
+    next_weight: Tensor  # [B, L+K-1] fp32 loss weight of the distribution at j+1; 0 past the sample
+    tokens: int  # real (unpadded) tokens
+
+    @property
+    def anchors(self) -> int:
+        return self.aux.shape[1]
+
+    def step(self, k: int) -> tuple[Tensor, Tensor, Tensor]:
+        """What TTT step k reads at anchors t = 0..L-1: token ids t+1+k [B, L], the target's
+        last states at t+1+k [B, L, Ht] and their loss weights [B, L]."""
+        cols = slice(k, k + self.anchors)
+        return self.next_ids[:, cols], self.next_last[:, cols], self.next_weight[:, cols]
+
+    def step_weights(self, steps: int) -> Tensor:
+        """[steps] total loss weight of each TTT step."""
+        return torch.stack([self.step(k)[2].sum() for k in range(steps)])
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> Batch:
+        """States in the compute dtype, on `device` (asynchronously from pinned memory)."""
+        return Batch(
+            self.aux.to(device, dtype, non_blocking=True),
+            self.next_ids.to(device, non_blocking=True),
+            self.next_last.to(device, dtype, non_blocking=True),
+            self.next_weight.to(device, non_blocking=True),
+            self.tokens,
+        )
+
+    def pin_memory(self) -> Batch:  # DataLoader(pin_memory=True) calls this on custom batch types
+        return Batch(
+            self.aux.pin_memory(),
+            self.next_ids.pin_memory(),
+            self.next_last.pin_memory(),
+            self.next_weight.pin_memory(),
+            self.tokens,
+        )
+
+
+def collate(
+    samples: Sequence[dict[str, Tensor]], *, ttt_steps: int, max_seq_len: int, prompt_loss_weight: float
+) -> Batch:
+    """Right-padded batch of decoded samples (input_ids, loss_mask, aux, last), each cut to
+    max_seq_len tokens; every sample needs at least 2 tokens (one anchor)."""
+    lengths = [min(len(s["input_ids"]), max_seq_len) for s in samples]
+    anchors = max(lengths) - 1
+    width = anchors + ttt_steps - 1
+    first = samples[0]
+    rows = len(samples)
+    aux = torch.zeros(rows, anchors, first["aux"][0].numel(), dtype=first["aux"].dtype)
+    next_ids = torch.zeros(rows, width, dtype=torch.int64)
+    next_last = torch.zeros(rows, width, first["last"].shape[-1], dtype=first["last"].dtype)
+    next_weight = torch.zeros(rows, width, dtype=torch.float32)
+    for i, (sample, n) in enumerate(zip(samples, lengths)):
+        aux[i, : n - 1] = sample["aux"][: n - 1].reshape(n - 1, -1)
+        next_ids[i, : n - 1] = sample["input_ids"][1:n].long()
+        next_last[i, : n - 1] = sample["last"][1:n]
+        next_weight[i, : n - 1] = distribution_weights(sample["loss_mask"], n, prompt_loss_weight)[1:]
+    return Batch(aux, next_ids, next_last, next_weight, tokens=sum(lengths))
+
+
+class BatchData(Dataset):
+    """Given batches of index rows, decoded and collated (in DataLoader workers when there are any)."""
+
+    def __init__(self, store: HiddenStore, batches: list[list[int]], collate_fn: Callable[..., Batch]) -> None:
+        self.store = store
+        self.batches = batches
+        self.collate_fn = collate_fn
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, i: int) -> Batch:
+        return self.collate_fn([to_torch(self.store.read_row(row)) for row in self.batches[i]])
+
+
+def batch_loader(
+    store: HiddenStore,
+    batches: list[list[int]],
+    *,
+    ttt_steps: int,
+    max_seq_len: int,
+    prompt_loss_weight: float,
+    num_workers: int,
+    pin_memory: bool,
+) -> DataLoader:
+    """The batches in order, decoded ahead of the training loop by `num_workers` processes."""
+    collate_fn = functools.partial(
+        collate, ttt_steps=ttt_steps, max_seq_len=max_seq_len, prompt_loss_weight=prompt_loss_weight
+    )
+    return DataLoader(
+        BatchData(store, batches, collate_fn),
+        batch_size=None,
+        shuffle=False,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        prefetch_factor=4 if num_workers else None,
+    )

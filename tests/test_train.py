@@ -1,0 +1,430 @@
+"""Stage train: alignment, objective, a tiny real run, DDP = one process, kill -9 resume, init_from.
+
+The fixture is a tiny random Llama target (4 layers, hidden 64, vocab 512, tied embeddings)
+saved with save_pretrained, and a store written with the store's own writer from a real forward
+of it (aux = outputs of layers 0-2, last = output of the last layer before the final norm).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing
+import os
+import signal
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from stages import train_state
+from stages.checkpoint import save_drafter, validate
+from stages.drafter import Drafter, DrafterConfig
+from stages.hidden_store import ShardWriter, merge_index, write_manifest
+from stages.train import DraftLoss, Paths, TrainError, TrainParams, check_params, train
+from stages.train_data import collate
+from stages.train_teacher import Teacher, load_teacher, target_config
+
+VOCAB, HIDDEN, LAYERS, DRAFT_VOCAB = 512, 64, 4, 128
+AUX_IDS = [1, 2, 3]
+SAMPLES = 24
+INIT_STD = 0.6  # large weights: peaked next-token distributions, something for the drafter to learn
+FORK = multiprocessing.get_context("fork")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Bitwise comparisons between processes need the same kernels: one intra-op thread everywhere.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_llama(tied: bool = True) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=128,
+        rope_theta=10000.0,
+        tie_word_embeddings=tied,
+        initializer_range=INIT_STD,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # a non-trivial final norm, so forgetting it shows
+        model.model.norm.weight.uniform_(0.5, 1.5)
+    return model
+
+
+def write_target(folder: Path, model: LlamaForCausalLM) -> dict:
+    """The model as the target stage leaves an embedded target: weights + target.json."""
+    model.save_pretrained(folder)
+    record = {
+        "architecture": "LlamaForCausalLM",
+        "num_layers": LAYERS,
+        "hidden_size": HIDDEN,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 128,
+        "default_aux_layer_ids": AUX_IDS,
+        "chat_template": True,
+        "dtype": "float32",
+        "source": str(folder),
+        "source_kind": "local",
+        "model_path": str(folder),
+        "revision": None,
+        "parameter_count": sum(p.numel() for p in model.parameters()),
+        "weights_hash": "sha256:tiny-test-target",
+    }
+    (folder / "target.json").write_text(json.dumps(record))
+    return record
+
+
+def capture(model: LlamaForCausalLM, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """(aux [T, 3*H], last [T, H]) the way the extract stage hooks them: vLLM's ids, pre-norm last."""
+    layers = model.model.layers
+    outputs: dict[int, torch.Tensor] = {}
+
+    def keep(i: int):
+        def hook(module, args, out) -> None:
+            outputs[i] = out[0] if isinstance(out, tuple) else out
+        return hook
+
+    hooks = [layers[i].register_forward_hook(keep(i)) for i in range(LAYERS)]
+    with torch.no_grad():
+        model(torch.from_numpy(ids).long()[None])
+    for hook in hooks:
+        hook.remove()
+    aux = torch.cat([outputs[i - 1][0] for i in AUX_IDS], dim=-1)
+    return aux, outputs[LAYERS - 1][0]
+
+
+def bf16_bits(t: torch.Tensor) -> np.ndarray:
+    return t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("train-ws")
+    target_dir = root / "artifacts" / "target"
+    model = tiny_llama()
+    record = write_target(target_dir, model)
+
+    vocab = root / "artifacts" / "vocab"
+    vocab.mkdir(parents=True)
+    ids = np.arange(0, VOCAB, VOCAB // DRAFT_VOCAB)
+    t2d = np.zeros(VOCAB, bool)
+    t2d[ids] = True
+    np.save(vocab / "d2t.npy", (ids - np.arange(DRAFT_VOCAB)).astype(np.int64))
+    np.save(vocab / "t2d.npy", t2d)
+
+    store = root / "artifacts" / "hidden"
+    rng = np.random.default_rng(0)
+    with ShardWriter(store, shard_samples=8) as writer:
+        for i in range(SAMPLES):
+            n = int(rng.integers(10, 41))
+            tokens = rng.integers(0, VOCAB, n).astype(np.int32)
+            mask = (np.arange(n) >= n // 3).astype(np.uint8)  # prompt, then the response
+            aux, last = capture(model, tokens)
+            writer.put(f"s{i:03d}", {"input_ids": tokens, "loss_mask": mask, "aux": bf16_bits(aux),
+                                      "last": bf16_bits(last)})
+    totals = merge_index(store)
+    write_manifest(store, model_hash=record["weights_hash"], aux_layer_ids=AUX_IDS, layer_id_convention="vLLM",
+                   last_state="pre_norm", arrays=writer.stats.schema, level=1, totals=totals)
+    return root
+
+
+def small_params(**overrides) -> TrainParams:
+    fields = dict(ttt_steps=3, epochs=4, max_seq_len=48, max_tokens_per_batch=96, batches_per_step=2,
+                  length_group=8, lr=1e-2, warmup_steps=2, eval_fraction=0.2, log_every=1,
+                  checkpoint_every=3, num_workers=0, ce_chunk_size=64)
+    return TrainParams(**(fields | overrides))
+
+
+def paths_for(workspace: Path, out: Path) -> Paths:
+    artifacts = workspace / "artifacts"
+    return Paths(hidden=artifacts / "hidden", vocab=artifacts / "vocab", target=artifacts / "target",
+                 out=out / "drafter", run=out / "run", curve=out / "curve.csv", heldout_curve=out / "heldout.csv")
+
+
+def weights(drafter_dir: Path) -> dict[str, torch.Tensor]:
+    with safe_open(drafter_dir / "model.safetensors", framework="pt") as f:
+        return {name: f.get_tensor(name) for name in f.keys()}
+
+
+@pytest.fixture(scope="module")
+def trained(workspace, tmp_path_factory) -> tuple[Paths, dict]:
+    """One uninterrupted single-process run: the reference of the DDP and resume tests."""
+    out = tmp_path_factory.mktemp("reference")
+    cwd = os.getcwd()
+    os.chdir(out)  # metrics/ lands here
+    try:
+        record = train(small_params(), paths_for(workspace, out))
+    finally:
+        os.chdir(cwd)
+    return paths_for(workspace, out), record
+
+
+# ------------------------------------------------------------------------------------ alignment
+
+
+def hand_sample(mask: list[int]) -> dict[str, torch.Tensor]:
+    """5 tokens 10..14; the state at position p is filled with p, so rows show where they came from."""
+    positions = torch.arange(5, dtype=torch.float32)[:, None]
+    return {
+        "input_ids": torch.arange(10, 15, dtype=torch.int32),
+        "loss_mask": torch.tensor(mask, dtype=torch.uint8),
+        "aux": positions.expand(5, 3).contiguous(),
+        "last": positions.expand(5, 2).contiguous(),
+    }
+
+
+def test_alignment_hand_built():
+    w = 0.25  # prompt_loss_weight
+    batch = collate([hand_sample([0, 0, 1, 1, 0])], ttt_steps=2, max_seq_len=64, prompt_loss_weight=w)
+    assert batch.aux[0, :, 0].tolist() == [0, 1, 2, 3]  # anchors t = 0..3 read aux at t
+    # step 0 at anchor t: token t+1, target distribution at t+1 (predicts token t+2, whose mask weighs it)
+    ids, last, weight = batch.step(0)
+    assert ids[0].tolist() == [11, 12, 13, 14]
+    assert last[0, :, 0].tolist() == [1, 2, 3, 4]
+    assert weight[0].tolist() == [1, 1, w, w]  # tokens 2, 3 generated; token 4 prompt; token 5 unknown
+    # step 1 at anchor t: token t+2, distribution at t+2; anchor 3 would need position 5: invalid
+    ids, last, weight = batch.step(1)
+    assert ids[0, :3].tolist() == [12, 13, 14]
+    assert last[0, :3, 0].tolist() == [2, 3, 4]
+    assert weight[0].tolist() == [1, w, w, 0]
+    assert batch.tokens == 5
+
+
+def test_alignment_cut_sample_keeps_its_next_token_mask_and_pads_with_zero_weight():
+    sample = hand_sample([0, 0, 1, 1, 1])
+    cut = collate([sample], ttt_steps=2, max_seq_len=4, prompt_loss_weight=0.0)
+    assert cut.step(0)[0][0].tolist() == [11, 12, 13]
+    assert cut.step(0)[2][0].tolist() == [1, 1, 1]  # token 4 was cut but generated
+    both = collate([sample, {k: v[:4] for k, v in sample.items()}], ttt_steps=2, max_seq_len=64,
+                   prompt_loss_weight=0.5)
+    # the 4-token sample: 3 anchors, the last one's predicted token unknown (prompt weight), then padding
+    assert both.step(0)[2][1].tolist() == [1, 1, 0.5, 0]
+    assert both.step(1)[2][1].tolist() == [1, 0.5, 0, 0]
+    assert both.tokens == 9
+
+
+def reference_losses(drafter: Drafter, teacher: Teacher, sample: dict, steps: int, w: float) -> torch.Tensor:
+    """Per-step weighted CE sums of one sample, indexed by hand from the definition."""
+    ids, mask = sample["input_ids"].long(), sample["loss_mask"]
+    n = len(ids)
+    anchors = n - 1
+    embeds = [F.embedding(torch.tensor([ids[t + 1 + k] if t + 1 + k < n else 0 for t in range(anchors)]),
+                          teacher.embed)[None] for k in range(steps)]
+    hidden = drafter(sample["aux"][None, :anchors].float(), embeds, torch.arange(anchors))
+    losses = torch.zeros(steps)
+    for k in range(steps):
+        for t in range(anchors):
+            p = t + 1 + k
+            if p >= n:
+                continue
+            weight = 1.0 if p + 1 < n and mask[p + 1] else w
+            target = (teacher.states(sample["last"][p].float()) @ teacher.head.T).softmax(-1)
+            log_q = drafter.lm_head(hidden[k][0, t]).log_softmax(-1)
+            losses[k] += weight * -(target * log_q).sum()
+    return losses
+
+
+def test_objective_matches_hand_indexed_reference_and_ignores_padding(workspace):
+    config = target_config(workspace / "artifacts" / "target")
+    record = json.loads((workspace / "artifacts" / "target" / "target.json").read_text())
+    d2t = torch.from_numpy(np.load(workspace / "artifacts" / "vocab" / "d2t.npy"))
+    teacher = load_teacher(record, config, d2t, pre_norm=True)
+    torch.manual_seed(1)
+    drafter = Drafter(DrafterConfig.from_target(config, draft_vocab_size=DRAFT_VOCAB, aux_layer_ids=AUX_IDS))
+    rng = torch.Generator().manual_seed(2)
+    samples = []
+    for n in (9, 6):
+        samples.append({"input_ids": torch.randint(0, VOCAB, (n,), generator=rng, dtype=torch.int32),
+                        "loss_mask": (torch.arange(n) % 3 != 0).to(torch.uint8),
+                        "aux": torch.randn(n, 3 * HIDDEN, generator=rng),
+                        "last": torch.randn(n, HIDDEN, generator=rng)})
+    loss_module = DraftLoss(drafter, teacher, ttt_steps=3, chunk_size=4)
+    batch = collate(samples, ttt_steps=3, max_seq_len=64, prompt_loss_weight=0.3)
+    _, losses, _ = loss_module(batch, torch.ones(3))
+    expected = sum(reference_losses(drafter, teacher, s, 3, 0.3) for s in samples)
+    torch.testing.assert_close(losses, expected.detach(), rtol=1e-4, atol=1e-4)
+
+
+def test_teacher_applies_final_norm_and_draft_rows_of_an_untied_sharded_head(tmp_path):
+    model = tiny_llama(tied=False)
+    record = write_target(tmp_path, model)
+    model.save_pretrained(tmp_path, max_shard_size="100KB")  # replaces the single file with shards
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    (tmp_path / "model.safetensors").unlink(missing_ok=True)
+    ids = torch.arange(3, VOCAB, 7)
+    d2t = ids - torch.arange(len(ids))
+    teacher = load_teacher(record, target_config(tmp_path), d2t, pre_norm=True)
+    tokens = np.arange(20, dtype=np.int32)
+    _, last = capture(model, tokens)
+    with torch.no_grad():
+        logits = model(torch.from_numpy(tokens).long()[None]).logits[0]
+        torch.testing.assert_close(teacher.states(last) @ teacher.head.T, logits[:, ids], rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------------- real runs
+
+
+def test_run_learns_reports_per_step_metrics_and_writes_a_valid_drafter(trained):
+    paths, record = trained
+    steps = 3
+    assert record["steps"] == 16 and record["resumed_from_step"] == 0
+    for split in ("train", "heldout"):
+        assert len(record["final"][split]["loss"]) == len(record["final"][split]["top1"]) == steps
+    assert record["final"]["heldout"]["top1"][0] > 0
+    lines = paths.curve.read_text().splitlines()
+    header = lines[0].split(",")
+    assert {"step", "loss", "lr", "top1_0", "top1_2", "loss_2"} <= set(header)
+    losses = [float(line.split(",")[header.index("loss")]) for line in lines[1:]]
+    assert len(losses) == 16 and np.mean(losses[-3:]) < 0.85 * np.mean(losses[:3]), losses
+    assert record["final"]["train"]["top1"][0] > 0.15  # from ~1/128
+    assert "top1_0" in paths.heldout_curve.read_text().splitlines()[0]
+    assert validate(paths.out, LAYERS, HIDDEN, VOCAB) == []
+    config = json.loads((paths.out / "config.json").read_text())
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == AUX_IDS
+    assert config["tie_word_embeddings"] is False and config["draft_vocab_size"] == DRAFT_VOCAB
+    saved = weights(paths.out)
+    assert torch.equal(saved["d2t"], torch.from_numpy(np.load(paths.vocab / "d2t.npy")))
+
+
+def test_rerun_resumes_at_the_end_without_training(trained, tmp_path, monkeypatch):
+    paths, _ = trained
+    monkeypatch.chdir(tmp_path)
+    again = dataclasses.replace(paths, out=tmp_path / "drafter")
+    record = train(small_params(log_every=5), again)  # an operational param: same fingerprint
+    assert record["resumed_from_step"] == 16 and record["items"] == 0
+    rerun = weights(again.out)
+    assert all(torch.equal(tensor, rerun[name]) for name, tensor in weights(paths.out).items())
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, params: TrainParams, paths: Paths) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    train(params, paths)
+
+
+def test_two_gloo_processes_train_the_same_weights_as_one(trained, workspace, tmp_path, monkeypatch):
+    reference, _ = trained
+    monkeypatch.chdir(tmp_path)
+    paths = paths_for(workspace, tmp_path)
+    port = free_port()
+    ranks = [FORK.Process(target=_rank_main, args=(r, 2, port, small_params(), paths)) for r in range(2)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(120)
+    assert [p.exitcode for p in ranks] == [0, 0]
+    expected = weights(reference.out)
+    for name, tensor in weights(paths.out).items():
+        torch.testing.assert_close(tensor, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _train_and_die_in_checkpoint(number: int, params: TrainParams, paths: Paths) -> None:
+    """Trains, and kills itself with SIGKILL halfway through writing checkpoint `number`."""
+    real_save = train_state.save_file
+    calls = []
+
+    def torn_save(tensors, path, metadata=None):
+        calls.append(path)
+        if len(calls) == number:
+            Path(path).write_bytes(b"torn")
+            os.kill(os.getpid(), signal.SIGKILL)
+        real_save(tensors, path, metadata=metadata)
+
+    train_state.save_file = torn_save
+    train(params, paths)
+
+
+def test_kill_9_mid_epoch_then_resume_gives_bitwise_equal_weights(trained, workspace, tmp_path, monkeypatch):
+    reference, _ = trained
+    monkeypatch.chdir(tmp_path)
+    paths = paths_for(workspace, tmp_path)
+    child = FORK.Process(target=_train_and_die_in_checkpoint, args=(2, small_params(), paths))
+    child.start()
+    child.join(120)
+    assert child.exitcode == -signal.SIGKILL
+    assert not paths.out.exists()
+    survivors = sorted(p.name for p in paths.run.iterdir())
+    assert survivors[-1] == "step-00000003" and any(s.startswith(".step-00000006") for s in survivors)
+    saved = json.loads((paths.run / "step-00000003" / "state.json").read_text())
+    assert saved["step_in_epoch"] != 0  # mid-epoch
+
+    record = train(small_params(), paths)
+    assert record["resumed_from_step"] == 3
+    assert sorted(p.name for p in paths.run.iterdir()) == ["step-00000016"]
+    expected = weights(reference.out)
+    resumed = weights(paths.out)
+    assert all(torch.equal(resumed[name], expected[name]) for name in expected), "resumed weights differ"
+
+
+# ---------------------------------------------------------------------------------------- init_from
+
+
+def drafter_checkpoint(folder: Path, aux_ids: list[int], hidden: int = HIDDEN) -> tuple[torch.Tensor, torch.Tensor]:
+    """A servable drafter whose vocab map differs from artifacts/vocab's (every 4th id from 1)."""
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=96, num_hidden_layers=LAYERS, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128, rope_theta=10000.0)
+    torch.manual_seed(3)
+    drafter = Drafter(DrafterConfig.from_target(config, draft_vocab_size=DRAFT_VOCAB, aux_layer_ids=aux_ids))
+    ids = torch.arange(1, VOCAB, VOCAB // DRAFT_VOCAB)
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[ids] = True
+    d2t = ids - torch.arange(DRAFT_VOCAB)
+    save_drafter(folder, drafter, d2t, t2d)
+    return d2t, t2d
+
+
+def test_init_from_keeps_the_drafters_vocab_map(workspace, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    d2t, t2d = drafter_checkpoint(tmp_path / "init", AUX_IDS)
+    paths = paths_for(workspace, tmp_path)
+    record = train(small_params(init_from=str(tmp_path / "init"), epochs=1), paths)
+    saved = weights(paths.out)
+    assert torch.equal(saved["d2t"], d2t) and torch.equal(saved["t2d"], t2d)
+    assert saved["midlayer.mlp.up_proj.weight"].shape == (96, HIDDEN)  # the drafter's own geometry
+    assert record["steps"] > 0 and validate(paths.out, LAYERS, HIDDEN, VOCAB) == []
+
+
+@pytest.mark.parametrize(
+    "aux_ids, hidden, field",
+    [([1, 2], HIDDEN, "eagle_aux_hidden_state_layer_ids"), (AUX_IDS, 32, "target_hidden_size")],
+)
+def test_init_from_rejects_a_mismatched_drafter_naming_the_field(workspace, tmp_path, aux_ids, hidden, field):
+    init = tmp_path / "init"
+    drafter_checkpoint(init, aux_ids)
+    if hidden != HIDDEN:  # a drafter made for a target of another width
+        cfg = json.loads((init / "config.json").read_text())
+        cfg["target_hidden_size"] = hidden
+        (init / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(TrainError, match=field):
+        train(small_params(init_from=str(init)), paths_for(workspace, tmp_path))
+
+
+def test_params_that_cannot_work_are_refused_by_name():
+    with pytest.raises(TrainError, match="batches_per_step=3 is not a positive multiple of the world size 2"):
+        check_params(small_params(batches_per_step=3), world=2)
+    with pytest.raises(TrainError, match="max_seq_len=200 exceeds max_tokens_per_batch"):
+        check_params(small_params(max_seq_len=200), world=1)
