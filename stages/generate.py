@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from stages import server
-from stages.atomic import atomic_dir, atomic_write_bytes, atomic_write_json
+from stages.atomic import atomic_dir, atomic_write_bytes, atomic_write_json, parquet_bytes
 from stages.metrics import write_metrics
 from stages.params import load_section
 from stages.progress import Progress, format_duration
@@ -214,9 +214,8 @@ class PartWriter:
     def flush(self) -> None:
         if not self.rows:
             return
-        sink = pa.BufferOutputStream()
-        pq.write_table(pa.Table.from_pylist(self.rows, schema=RESPONSE_SCHEMA), sink)
-        atomic_write_bytes(self.parts_dir / f"part-{self.next_index:06d}.parquet", sink.getvalue().to_pybytes())
+        atomic_write_bytes(self.parts_dir / f"part-{self.next_index:06d}.parquet",
+                           parquet_bytes(pa.Table.from_pylist(self.rows, schema=RESPONSE_SCHEMA)))
         self.next_index += 1
         self.rows, self.prompts = [], 0
 

@@ -38,6 +38,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import zstandard
 
+from stages.atomic import fsync_path, parquet_bytes
+
 FORMAT = "eagle3-hidden-store/1"
 PLANES_CODEC = "byteplanes+zstd"
 PLAIN_CODEC = "zstd"
@@ -232,14 +234,6 @@ def _write_bytes(f: BinaryIO, data: bytes | memoryview) -> None:
     f.write(data)
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_atomic(path: Path, data: bytes) -> None:
     """Writes `path` via a fsync'd temp file and a rename; on error no temp file remains."""
     tmp = path.with_name(path.name + ".tmp")
@@ -249,16 +243,10 @@ def write_atomic(path: Path, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_path(path.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-
-
-def _table_bytes(table: pa.Table) -> bytes:
-    sink = pa.BufferOutputStream()
-    pq.write_table(table, sink)
-    return sink.getvalue().to_pybytes()
 
 
 def _write_error(exc: OSError, directory: Path, needed: int) -> StoreWriteError:
@@ -343,8 +331,8 @@ class _OpenShard:
         os.fsync(self.file.fileno())
         self.file.close()
         os.replace(self.tmp, self.path)
-        _fsync_dir(self.path.parent)
-        write_atomic(self.index_path, _table_bytes(pa.Table.from_pylist(self.rows, INDEX_SCHEMA)))
+        fsync_path(self.path.parent)
+        write_atomic(self.index_path, parquet_bytes(pa.Table.from_pylist(self.rows, INDEX_SCHEMA)))
 
     def discard(self) -> None:
         try:
@@ -577,7 +565,7 @@ def merge_index(root: str | Path) -> StoreTotals:
     for path in root.glob("shard-r*-*.bin"):
         if path.name not in shards:
             path.unlink()
-    write_atomic(root / INDEX_NAME, _table_bytes(table.sort_by("sample_id")))
+    write_atomic(root / INDEX_NAME, parquet_bytes(table.sort_by("sample_id")))
     return StoreTotals(
         samples=table.num_rows,
         tokens=_column_sum(table, "num_tokens"),

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from stages.atomic import atomic_dir
+from stages.atomic import atomic_dir, fsync_path
 
 TENSORS_FILE = "tensors.safetensors"
 STATE_FILE = "state.json"
@@ -81,8 +80,8 @@ def save_checkpoint(run_dir: Path, state: RunState, model: nn.Module, optimizer:
         save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp / TENSORS_FILE)
         (tmp / STATE_FILE).write_text(json.dumps(meta, indent=1) + "\n")
         for name in (TENSORS_FILE, STATE_FILE):
-            _fsync(tmp / name)
-    _fsync(run_dir)
+            fsync_path(tmp / name)
+    fsync_path(run_dir)
     for old in run_dir.glob(f"{PREFIX}*"):
         if old != path:
             shutil.rmtree(old)
@@ -121,9 +120,3 @@ def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str
     return [by_id[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
