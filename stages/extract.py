@@ -32,7 +32,7 @@ from stages.metrics import write_metrics
 from stages.params import load_section
 from stages.progress import Progress
 from stages.server import require_accelerators_free
-from stages.target import load_record
+from stages.target import load_record, sha256_files
 
 RESPONSES = Path("artifacts/responses/responses.parquet")
 TARGET_DIR = Path("artifacts/target")
@@ -158,11 +158,7 @@ def store_batch(writer: ShardWriter, batch: list[Sample], aux: torch.Tensor, las
 
 
 def fingerprint(record: dict, aux_ids: list[int], params: ExtractParams, responses: Path) -> str:
-    digest = hashlib.sha256()
-    with open(responses, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    key = {"weights": record["weights_hash"], "aux": aux_ids, "responses": digest.hexdigest(),
+    key = {"weights": record["weights_hash"], "aux": aux_ids, "responses": sha256_files([responses]),
            "max_seq_len": params.max_seq_len, "over_length": params.over_length, "level": params.zstd_level}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
 
