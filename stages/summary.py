@@ -1,25 +1,11 @@
-"""The summary printed at the end of `make`: what each stage did, from its metrics file."""
+"""The summary printed at the end of `make`: the report stage's summary, from the metrics as they are now."""
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-from stages.metrics import METRICS_DIR
-
-STAGE_ORDER = ("target", "prompts", "generate", "vocab", "extract", "train", "evaluate", "report")
+from stages.report import collect, summary_lines
 
 
 def main() -> None:
-    total = 0.0
-    for stage in STAGE_ORDER:
-        path = METRICS_DIR / f"{stage}.json"
-        if not path.is_file():
-            continue
-        m = json.loads(path.read_text())
-        total += m["wall_s"]
-        rate = f", {m['tokens_per_s']} tok/s" if m.get("tokens") else ""
-        print(f"  {stage:<9} {m['wall_s']:>9.1f}s  {m['items']} items, {m['tokens']} tokens{rate}")
-    print(f"  {'total':<9} {total:>9.1f}s   (artifacts in artifacts/, metrics in metrics/)")
+    print("\n".join(summary_lines(collect())))
 
 
 if __name__ == "__main__":
