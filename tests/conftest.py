@@ -49,3 +49,17 @@ def vllm_server(embedded_target, tmp_path_factory):
     state = server.start(params, embedded_target[1], state_dir=state_dir)
     yield state
     server.stop(state_dir)
+
+
+@pytest.fixture(scope="session")
+def built_repo(tmp_path_factory) -> Path:
+    """A copy of this repository with `target` and `prompts` (20 prompts) built by `dvc repro` and committed.
+    Shared by the session: tests take a private copy (dvc_repo.copy_built) before changing anything."""
+    from dvc_repo import init_copy, repo_env, sh
+
+    env = repo_env()
+    work, _ = init_copy(tmp_path_factory.mktemp("built") / "repo", env)
+    sh(["dvc", "repro", "prompts"], work, env)
+    sh(["git", "add", "-A"], work, env)
+    sh(["git", "commit", "-qm", "target and prompts built"], work, env)
+    return work

@@ -2,45 +2,13 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
-import yaml
-
-REPO = Path(__file__).resolve().parent.parent
-SKIP = {".git", ".venv", "artifacts", "metrics", ".pytest_cache", "__pycache__", "run", ".dvc"}
-
-
-def copy_repo(dst: Path) -> Path:
-    tracked = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True,
-                             text=True, check=True).stdout.split()
-    for name in tracked:
-        if name.split("/")[0] in SKIP or not (REPO / name).is_file():
-            continue
-        (dst / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(REPO / name, dst / name)
-    return dst
-
-
-def sh(cmd: list[str], cwd: Path, env: dict, stdout_only: bool = False) -> str:
-    result = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
-    assert result.returncode == 0, f"{' '.join(cmd)} failed:\n{result.stdout}\n{result.stderr}"
-    return result.stdout if stdout_only else result.stdout + result.stderr
+from dvc_repo import init_copy, repo_env, sh, write_params
 
 
 def test_dvc_repro_noop_and_selective_rerun(tmp_path, embedded_target):
-    work = copy_repo(tmp_path / "repo")
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "DVC_NO_ANALYTICS": "1",
-           "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
-    sh(["git", "init", "-q"], work, env)
-    sh(["dvc", "init", "-q"], work, env)
-    sh(["dvc", "config", "--local", "core.site_cache_dir", str(tmp_path / "site-cache")], work, env)
-    params = yaml.safe_load((work / "params.yaml").read_text())
-    params["prompts"]["num_samples"] = 20
-    (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    env = repo_env()
+    work, params = init_copy(tmp_path / "repo", env)
 
     # The first two stages; later ones need a server and the accelerators and have their own tests.
     first = sh(["dvc", "repro", "prompts"], work, env)
@@ -55,7 +23,7 @@ def test_dvc_repro_noop_and_selective_rerun(tmp_path, embedded_target):
     assert "Running stage" not in again
 
     params["prompts"]["seed"] = 1
-    (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    write_params(work, params)
     selective = sh(["dvc", "repro", "prompts"], work, env)
     assert "Running stage 'prompts'" in selective and "Running stage 'target'" not in selective
 
