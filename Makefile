@@ -101,3 +101,11 @@ plan: $(STAMP) ## Hours, disk and $ per stage: make plan HW=b300-nvl8 TARGET=kim
 
 report: $(STAMP) ## Write report/ (README.md + PNG plots) from metrics/ as they are now, outside DVC
 	$(PY) -m stages.report
+
+# SGLang serving benchmark (GPU machines). sglang pins its own torch, so it usually lives in an environment of
+# its own: SGLANG_PY names that python (default: the project's). Without a GPU or sglang it exits 2 saying which.
+SGLANG_PY ?= $(PY)
+
+.PHONY: sglang-bench
+sglang-bench: $(STAMP) ## SGLang (GPU): export the drafter for SGLang, serve it with the target, report acceptance + tok/s [SGLANG_PY=python]
+	$(PY) -m stages.sglang_bench --python $(SGLANG_PY)

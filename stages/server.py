@@ -131,7 +131,9 @@ def wait_healthy(url: str, timeout_s: float, alive: Any = lambda: True) -> dict[
     raise ServerError(f"server at {url} not healthy after {timeout_s:.0f}s ({last_error})")
 
 
-def start(params: ServeParams, record: dict[str, Any], state_dir: Path = STATE_DIR) -> ServerState:
+def start(params: ServeParams, record: dict[str, Any], state_dir: Path = STATE_DIR,
+          command: list[str] | None = None) -> ServerState:
+    """Start vLLM (or `command`: another engine serving /health and /v1/models); return once it answers."""
     running = running_server(state_dir)
     if running:
         print(f"serve: already running (pid {running.pid}, {running.url})", file=sys.stderr)
@@ -145,7 +147,7 @@ def start(params: ServeParams, record: dict[str, Any], state_dir: Path = STATE_D
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(params.cpu_kvcache_space_gb))
     state_dir.mkdir(parents=True, exist_ok=True)
     log_path = state_dir / "server.log"
-    cmd = server_command(params, record, gpu)
+    cmd = command or server_command(params, record, gpu)
     with open(log_path, "ab") as log:
         log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
         # Own session and process group: `stop` can end the server and every worker it spawned.
