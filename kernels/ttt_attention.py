@@ -25,14 +25,19 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 
-def ttt_attention(q: Tensor, keys: list[Tensor], values: list[Tensor], scale: float | None = None) -> Tensor:
+def ttt_attention(q: Tensor, keys: list[Tensor], values: list[Tensor], scale: float | None = None,
+                  prefix: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Attention of step k = len(keys) - 1 queries over the TTT key set.
 
     q: [B, Hq, T, D]; keys[j], values[j]: [B, Hkv, T, D] (step j, rotary applied); Hq % Hkv == 0.
+    prefix: step-0 (keys, values) [B, Hkv, P, D] of P earlier positions every query sees: an
+    incremental decoder's cache (inference only, so it takes the dense path on any device).
     Returns [B, Hq, T, D] in q's dtype.
     """
     _check_shapes(q, keys, values)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if prefix is not None:
+        return _ttt_dense(q, keys, values, scale, prefix)
     if q.is_cuda:
         return _ttt_flex(q, keys, values, scale)
     return _ttt_dense(q, keys, values, scale)
@@ -69,8 +74,9 @@ def _check_shapes(q: Tensor, keys: list[Tensor], values: list[Tensor]) -> None:
             raise ValueError(f"key/value shape {tuple(tensor.shape)} != {(b, hkv, t, d)}")
 
 
-def _ttt_dense(q: Tensor, keys: list[Tensor], values: list[Tensor], scale: float) -> Tensor:
-    """CPU path: causal step-0 scores and diagonal scores under one fp32 softmax."""
+def _ttt_dense(q: Tensor, keys: list[Tensor], values: list[Tensor], scale: float,
+               prefix: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """CPU path: [prefix,] causal step-0 and diagonal scores under one fp32 softmax."""
     t = q.shape[2]
     hkv = keys[0].shape[1]
     # Query heads grouped under their KV head, so keys broadcast instead of being repeated.
@@ -78,15 +84,20 @@ def _ttt_dense(q: Tensor, keys: list[Tensor], values: list[Tensor], scale: float
     causal = q_grouped @ keys[0].float().unsqueeze(2).transpose(-1, -2) * scale  # [B, Hkv, G, T, T]
     future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
     scores = causal.masked_fill(future, float("-inf"))
+    p = 0 if prefix is None else prefix[0].shape[2]
+    if prefix is not None:
+        scores = torch.cat([q_grouped @ prefix[0].float().unsqueeze(2).transpose(-1, -2) * scale, scores], dim=-1)
     if len(keys) > 1:
         k_diag = torch.stack(keys[1:], dim=2).float()  # [B, Hkv, k, T, D]
         diag = torch.einsum("bhgtd,bhjtd->bhgtj", q_grouped, k_diag) * scale
         scores = torch.cat([scores, diag], dim=-1)
     probs = scores.softmax(dim=-1)
-    out = probs[..., :t] @ values[0].float().unsqueeze(2)
+    out = probs[..., p : p + t] @ values[0].float().unsqueeze(2)
+    if prefix is not None:
+        out = out + probs[..., :p] @ prefix[1].float().unsqueeze(2)
     if len(keys) > 1:
         v_diag = torch.stack(values[1:], dim=2).float()
-        out = out + torch.einsum("bhgtj,bhjtd->bhgtd", probs[..., t:], v_diag)
+        out = out + torch.einsum("bhgtj,bhjtd->bhgtd", probs[..., p + t :], v_diag)
     return out.flatten(1, 2).to(q.dtype)
 
 

@@ -117,10 +117,15 @@ class DrafterConfig:
 
 @dataclass
 class TTTCache:
-    """Rotated keys and values of the steps unrolled so far; step k attends to all k+1 of them."""
+    """Rotated keys and values of the steps unrolled so far; step k attends to all k+1 of them.
+
+    `prefix`: step-0 (keys, values) of earlier positions that every query also attends to, which
+    is how an incremental decoder reuses them instead of recomputing the whole sequence.
+    """
 
     keys: list[Tensor] = field(default_factory=list)
     values: list[Tensor] = field(default_factory=list)
+    prefix: tuple[Tensor, Tensor] | None = None
 
 
 class RMSNorm(nn.Module):
@@ -191,7 +196,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         cache.keys.append(rotate(k, cos, sin))
         cache.values.append(v)
-        out = ttt_attention(rotate(q, cos, sin), cache.keys, cache.values, scale=self.head_dim**-0.5)
+        out = ttt_attention(rotate(q, cos, sin), cache.keys, cache.values, scale=self.head_dim**-0.5,
+                            prefix=cache.prefix)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
 

@@ -60,24 +60,33 @@ class SpecDecoder:
     def sample(self, probs: Tensor) -> int:
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
-    def draft(self, aux: Tensor, next_tokens: list[int]) -> tuple[list[int], list[Tensor]]:
-        """k drafted target ids and, per draft, q over the target vocabulary (zero outside the draft vocab)."""
+    def draft(self, aux: Tensor, next_tokens: list[int], prefix: tuple[Tensor, Tensor] | None
+              ) -> tuple[list[int], list[Tensor], tuple[Tensor, Tensor]]:
+        """k drafted target ids, per draft q over the target vocabulary (zero outside the draft vocab),
+        and the step-0 keys/values of every position so far.
+
+        Step 0 runs only on the positions `prefix` does not cover yet (their next token is known now);
+        steps 1..k-1 only at the last position: exactly the keys the TTT mask gives each query.
+        """
         model = self.drafter.model
-        positions = torch.arange(aux.shape[0])
-        embeds = model.embed(torch.tensor([next_tokens]), self.embedding)
-        hidden, cache = model.fuse(aux[None]), TTTCache()
-        drafts, qs = [], []
+        done, total = (0 if prefix is None else prefix[0].shape[2]), aux.shape[0]
+        cache = TTTCache(prefix=prefix)
+        embeds = model.embed(torch.tensor([next_tokens[done:]]), self.embedding)
+        hidden = model.step(embeds, model.fuse(aux[None, done:]), torch.arange(done, total), cache)[:, -1:]
+        keys, values = cache.keys[0], cache.values[0]
+        if prefix is not None:
+            keys, values = torch.cat([prefix[0], keys], dim=2), torch.cat([prefix[1], values], dim=2)
+        last = TTTCache([keys[:, :, -1:]], [values[:, :, -1:]], (keys[:, :, :-1], values[:, :, :-1]))
+        drafts: list[int] = []
+        qs: list[Tensor] = []
         for step in range(self.k):
-            hidden = model.step(embeds, hidden, positions + step, cache)
+            if step:
+                embeds = model.embed(torch.tensor([[drafts[-1]]]), self.embedding)
+                hidden = model.step(embeds, hidden, torch.tensor([total - 1 + step]), last)
             q_draft = self.probs(model.logits(hidden[0, -1]).float())
-            q = torch.zeros(self.embedding.shape[0]).index_copy_(0, self.draft_to_target, q_draft)
-            token = int(self.draft_to_target[self.sample(q_draft)])
-            drafts.append(token)
-            qs.append(q)
-            # Only the last position's later steps matter: earlier positions see step 0 alone.
-            embeds = embeds.clone()
-            embeds[0, -1] = model.embed(torch.tensor([token]), self.embedding)
-        return drafts, qs
+            qs.append(torch.zeros(self.embedding.shape[0]).index_copy_(0, self.draft_to_target, q_draft))
+            drafts.append(int(self.draft_to_target[self.sample(q_draft)]))
+        return drafts, qs, (keys, values)
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int]) -> tuple[list[int], DecodeStats]:
@@ -89,8 +98,9 @@ class SpecDecoder:
         sequence = list(prompt_ids)  # tokens whose target states are known
         token = self.sample(self.probs(logits[-1]))
         out = [token]
+        prefix = None  # the drafter's step-0 keys/values of the positions drafted from so far
         while len(out) < max_new_tokens and out[-1] not in eos_ids:
-            drafts, qs = self.draft(aux, sequence[1:] + [token])
+            drafts, qs, prefix = self.draft(aux, sequence[1:] + [token], prefix)
             logits, new_aux = self.target_forward([token] + drafts, cache)
             accepted = 0
             for i, (d, q) in enumerate(zip(drafts, qs)):

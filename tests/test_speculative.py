@@ -50,10 +50,10 @@ def test_perfect_drafter_is_always_accepted(embedded_target, tokenizer, monkeypa
         plain = target.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False)[0].tolist()
     decoder = SpecDecoder(target, random_drafter(target.config, [2, 15, 27], torch.arange(49152)), [2, 15, 27], 3, 0.0)
 
-    def oracle(aux, next_tokens):
+    def oracle(aux, next_tokens, prefix):
         at = len(next_tokens) + 1  # next_tokens = sequence[1:] + [token]: the drafts continue the sequence
         drafts = plain[at: at + 3]
-        return drafts, [torch.nn.functional.one_hot(torch.tensor(d), 49152).float() for d in drafts]
+        return drafts, [torch.nn.functional.one_hot(torch.tensor(d), 49152).float() for d in drafts], prefix
 
     monkeypatch.setattr(decoder, "draft", oracle)
     new = len(plain) - len(prompt) - 4  # the oracle must always have 3 drafts to give
@@ -61,6 +61,40 @@ def test_perfect_drafter_is_always_accepted(embedded_target, tokenizer, monkeypa
     ids, stats = decoder.generate(prompt, new, eos_ids=set())
     assert ids == plain[len(prompt):len(prompt) + new]
     assert stats.accepted_per_pos == [stats.rounds] * 3 and stats.acceptance_length() == 4.0
+
+
+def recomputed_drafts(decoder: SpecDecoder, aux: torch.Tensor, next_tokens: list[int]) -> list[int]:
+    """Greedy drafts from the TTT unroll over the whole sequence, as training computes it."""
+    model, drafts = decoder.drafter.model, []
+    embeds = model.embed(torch.tensor([next_tokens]), decoder.embedding)
+    step_embeds = []
+    for step in range(decoder.k):
+        step_embeds.append(embeds)
+        heads = model(aux[None], step_embeds, torch.arange(aux.shape[0]))
+        drafts.append(int(decoder.draft_to_target[(heads[-1][0, -1] @ model.lm_head.weight.T).argmax()]))
+        embeds = embeds.clone()
+        embeds[0, -1] = model.embed(torch.tensor([drafts[-1]]), decoder.embedding)
+    return drafts
+
+
+def test_incremental_drafts_equal_the_whole_sequence_unroll(embedded_target, tokenizer):
+    """The decoder reuses step-0 keys across rounds; its drafts must be the full unroll's."""
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(embedded_target[0]).eval()
+    drafter = random_drafter(target.config, [2, 15, 27], torch.arange(4096), seed=3)
+    decoder = SpecDecoder(target, drafter, [2, 15, 27], 3, temperature=0.0)
+    incremental, rounds = decoder.draft, []
+
+    def checked(aux, next_tokens, prefix):
+        drafts, qs, keys = incremental(aux, next_tokens, prefix)
+        rounds.append((drafts, recomputed_drafts(decoder, aux, next_tokens)))
+        return drafts, qs, keys
+
+    decoder.draft = checked
+    prompt = render(tokenizer, [{"role": "user", "content": "Name three rivers."}], generation_prompt=True)
+    decoder.generate(prompt, 24, eos_ids=set())
+    assert len(rounds) >= 6 and all(mine == full for mine, full in rounds), rounds
 
 
 def tiny_target(vocab: int = 12):
