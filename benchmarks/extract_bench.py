@@ -9,6 +9,12 @@ Variants, each time-boxed, on random bf16 weights (weights decide nothing about 
       threads, shards on disk.
 Usage: python benchmarks/extract_bench.py --out benchmarks/results/extract-h200.json  (GPU)
        python benchmarks/extract_bench.py --tiny                                    (CPU smoke)
+
+Under torchrun (`torchrun --nproc_per_node N benchmarks/extract_bench.py --workdir DIR`) only (d)
+runs, as the extract stage runs it on N GPUs: every rank builds its own model on its GPU, takes its
+own share of the sample ids (rank_todo) and writes its own shards into one store directory; rank 0
+then merges the index (timed too) and writes one record with per-rank and aggregate tokens/s and
+the host's CPU and disk use. benchmarks/scaling.py runs it at 1 and N GPUs.
 """
 from __future__ import annotations
 
@@ -21,14 +27,19 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from itertools import count
 from pathlib import Path
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from stages.extract import Capture, Sample, forward_batch, store_batch  # noqa: E402
-from stages.hidden_store import ShardWriter  # noqa: E402
+from benchmarks.ranks import (HostSnapshot, barrier, broadcast_str, finish, gather, host_usage,  # noqa: E402
+                              local_world, process_cores, thread_cpu_seconds, under_torchrun)
+from stages.extract import (Capture, ExtractParams, Sample, distributed, forward_batch, pick_device,  # noqa: E402
+                            store_batch)
+from stages.hidden_store import ShardWriter, merge_index, rank_todo  # noqa: E402
 from stages.metrics import machine_info  # noqa: E402
 
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -75,18 +86,56 @@ def naive_step(model, ids, aux_ids, out_dir: Path, compress: bool, counter: list
         counter[0] += 1
 
 
-def main() -> None:
+def template_batch(ids: torch.Tensor) -> list[Sample]:
+    """One batch of samples (all tokens generated) from a [batch, seq] id tensor."""
+    return [Sample(f"t{row}", r.cpu().numpy().astype(np.int32), np.ones(len(r), np.uint8)) for row, r in enumerate(ids)]
+
+
+def store_for(model, capture: Capture, template: list[Sample], writer: ShardWriter, device: torch.device,
+              seconds: float, sample_ids: Iterator[str]) -> int:
+    """Runs `template` under fresh sample ids through forward + store for `seconds`, one batch in flight
+    while the previous one is stored, as the stage runs; returns the tokens put (close the writer after)."""
+    start, pending, tokens = time.perf_counter(), None, 0
+    while pending is None or time.perf_counter() - start < seconds:
+        batch = [Sample(next(sample_ids), s.input_ids, s.loss_mask) for s in template]
+        launched = forward_batch(model, capture, batch, device)
+        if pending:
+            store_batch(writer, *pending)
+        pending = (batch, *launched)
+        tokens += sum(len(s.input_ids) for s in batch)
+    store_batch(writer, *pending)
+    return tokens
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tiny", action="store_true", help="small geometry, for a CPU check of the script")
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 4))
+    parser.add_argument("--threads", type=int, default=None,
+                        help="compression threads per process; default: the cores less 4, shared among local ranks")
     parser.add_argument("--level", type=int, default=1)
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="measured dense bf16 peak of the GPU")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.threads is None:  # 4 cores stay for the ranks' own threads (launching, writing, Python)
+        args.threads = max(1, ((os.cpu_count() or 2) - 4) // local_world())
+    return args
+
+
+def write_record(record: dict, out: str | None) -> None:
+    print(json.dumps(record, indent=2))
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def main() -> None:
+    args = parse_args()
+    if under_torchrun():
+        return main_ranks(args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     geometry = TINY if args.tiny else LLAMA_8B
@@ -112,25 +161,12 @@ def main() -> None:
         shutil.rmtree(out_dir)
 
     capture = Capture(model, aux_ids)
-    batch = [Sample(f"s{i}", ids[i].cpu().numpy().astype(np.int32), np.ones(seq, np.uint8)) for i in range(args.batch)]
     writer = ShardWriter(work / "ours", level=args.level, threads=args.threads)
-    counter = [0]
-
-    def ours_step() -> None:  # one batch in flight while the previous one is stored, as the stage runs
-        launched = forward_batch(model, capture, batch, device)
-        if counter[0]:
-            store_batch(writer, *ours_step.pending)
-        ours_step.pending = ([Sample(f"{s.id}-{counter[0]}", s.input_ids, s.loss_mask) for s in batch], *launched)
-        counter[0] += 1
-
     start = time.perf_counter()
-    ours_step()
-    while time.perf_counter() - start < args.seconds:
-        ours_step()
-    store_batch(writer, *ours_step.pending)
+    stored = store_for(model, capture, template_batch(ids), writer, device, args.seconds, (f"s{i}" for i in count()))
     stats = writer.close()
     elapsed = time.perf_counter() - start
-    results["ours_tokens_per_s"] = counter[0] * tokens / elapsed
+    results["ours_tokens_per_s"] = stored / elapsed
     results["ours_stored_over_raw"] = stats.stored_over_raw
     results["ours_bytes_per_token"] = stats.stored_bytes / stats.tokens
     shutil.rmtree(work, ignore_errors=True)
@@ -144,10 +180,69 @@ def main() -> None:
               "device": machine_info() | {"torch": torch.__version__}, "geometry": geometry, "batch": args.batch,
               "seq": seq, "seconds_per_variant": args.seconds, "compress_threads": args.threads,
               "zstd_level": args.level, **{k: round(v, 4) for k, v in results.items()}}
-    print(json.dumps(record, indent=2))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+    write_record(record, args.out)
+
+
+def main_ranks(args: argparse.Namespace) -> None:
+    """Variant (d) on every rank of a torchrun job: own model, own samples, own shards, one store."""
+    rank, world = distributed()
+    device = pick_device(ExtractParams(), rank)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    geometry = TINY if args.tiny else LLAMA_8B
+    seq = min(args.seq, geometry["max_position_embeddings"])
+    model = build_model(geometry, device, dtype)
+    n = geometry["num_hidden_layers"]
+    capture = Capture(model, [2, n // 2, n - 3])
+    generator = torch.Generator().manual_seed(rank)  # each rank its own tokens
+    template = template_batch(torch.randint(0, geometry["vocab_size"], (args.batch, seq), generator=generator))
+    # The stage deals sample ids round robin (rank_todo); 65536 per rank last an hour at 8B speed.
+    sample_ids = iter(rank_todo([f"s{i}" for i in range(world << 16)], set(), rank, world))
+    work = Path(broadcast_str((args.workdir or tempfile.mkdtemp(prefix="extract-bench-")) if rank == 0 else ""))
+    store = work / f"store-{world}"
+    if rank == 0:  # shards of an earlier run would be merged too
+        shutil.rmtree(store, ignore_errors=True)
+    barrier()
+    writer = ShardWriter(store, rank=rank, level=args.level, threads=args.threads)
+    forward_batch(model, capture, template, device)  # warm-up (kernels, allocator), outside the window
+    sync(device)
+
+    barrier()
+    before = HostSnapshot.take()
+    tokens = store_for(model, capture, template, writer, device, args.seconds, sample_ids)
+    compress_cpu_s = thread_cpu_seconds("hidden-compress")  # before close ends the pool's threads
+    stats = writer.close()
+    after = HostSnapshot.take()
+    barrier()
+    window = HostSnapshot.take()  # the slowest rank's end, writer drained and shards fsync'd
+    seconds = after.at - before.at
+    per_rank = gather({"rank": rank, "tokens": tokens, "seconds": round(seconds, 3),
+                       "tokens_per_s": round(tokens / seconds, 1), "samples": stats.samples, "shards": stats.shards,
+                       "stored_bytes": stats.stored_bytes, "raw_bytes": stats.raw_bytes,
+                       "process_cores": process_cores(before, after), "compress_threads": args.threads,
+                       "compress_cores": round(compress_cpu_s / seconds, 2)})
+    if rank == 0:
+        merge_start = time.perf_counter()
+        totals = merge_index(store)
+        merge_s = time.perf_counter() - merge_start
+        if totals.samples != sum(r["samples"] for r in per_rank):
+            raise RuntimeError(f"merged index has {totals.samples} samples, the ranks stored "
+                               f"{sum(r['samples'] for r in per_rank)}")
+        wall = window.at - before.at
+        record = {"benchmark": "extract", "world_size": world, "command": " ".join(sys.argv),
+                  "date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": machine_info() | {"torch": torch.__version__},
+                  "geometry": geometry, "batch": args.batch, "seq": seq, "seconds": args.seconds,
+                  "zstd_level": args.level, "compress_threads_per_rank": args.threads,
+                  "aggregate_tokens_per_s": round(totals.tokens / wall, 1), "window_s": round(wall, 3),
+                  "merge_index_s": round(merge_s, 3), "samples": totals.samples, "shards": totals.shards,
+                  "stored_over_raw": round(totals.stored_over_raw, 4),
+                  "store_write_mb_per_s": round(totals.stored_bytes / 1e6 / wall, 1),
+                  **host_usage(before, window), "per_rank": per_rank}
+        write_record(record, args.out)
+        shutil.rmtree(store, ignore_errors=True)
+        if not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+    barrier()
+    finish()
 
 
 if __name__ == "__main__":

@@ -20,6 +20,13 @@ at TTT step k query t sees t+1 causal keys and k diagonal ones.
   python benchmarks/train_bench.py --out benchmarks/results/train-h200.json --specforge ~/SpecForge
   python benchmarks/train_bench.py --tiny --seconds 2                           (CPU smoke run)
 
+Under torchrun (`torchrun --nproc_per_node N benchmarks/train_bench.py`) only ours runs, as the
+train stage runs on N GPUs: its train_step on a DistributedDataParallel DraftLoss, one random
+2048-token batch per rank (each rank its own) and batches_per_step = N, so one optimizer step
+takes N x 2048 tokens; compiled on a GPU unless --no-compile. Rank 0 writes one record: per-rank
+and aggregate tokens/s, and the time of one all-reduce of the drafter's gradients.
+benchmarks/scaling.py runs it at 1 and N GPUs.
+
 --specforge DIR imports SpecForge from DIR and times OnlineEagle3Model around
 LlamaForCausalLMEagle3 with the "sdpa" and "flex_attention" backends, loss = sum 0.8^k * step
 loss (its own trainer's weighting), same data, optimizer and precision. SpecForge's offline
@@ -31,6 +38,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import gc
 import importlib
 import json
 import statistics
@@ -44,12 +53,16 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
 from transformers import LlamaConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a plain script from anywhere
+from benchmarks.ranks import (HostSnapshot, all_agree, finish, gather, host_usage, process_cores,  # noqa: E402
+                              under_torchrun)
 from stages.drafter import Drafter, DrafterConfig, RMSNorm  # noqa: E402
 from stages.metrics import machine_info  # noqa: E402
-from stages.train import DraftLoss, TrainParams, make_optimizer  # noqa: E402
+from stages.train import (Dist, DraftLoss, Paths, Run, TrainParams, check_params, init_distributed,  # noqa: E402
+                          make_optimizer, train_step)
 from stages.train_data import Batch, collate  # noqa: E402
 from stages.train_teacher import Teacher  # noqa: E402
 
@@ -132,6 +145,18 @@ def random_data(g: Geometry, device: torch.device) -> Data:
     )
 
 
+def own_sample(data: Data, g: Geometry, rank: int) -> Data:
+    """`data` with this rank's own random sample; the frozen target parts stay the same on every rank."""
+    gen = torch.Generator(device="cpu").manual_seed(1000 + rank)
+    device = data.ids.device
+    return dataclasses.replace(
+        data,
+        ids=torch.randint(0, g.vocab, (g.seq,), generator=gen).to(device),
+        aux=torch.randn(g.seq, 3 * g.hidden, generator=gen).to(device, torch.bfloat16),
+        last=torch.randn(g.seq, g.hidden, generator=gen).to(device, torch.bfloat16),
+    )
+
+
 def autocast(device: torch.device) -> contextlib.AbstractContextManager:
     return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
 
@@ -142,8 +167,15 @@ def adamw_step(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimize
     optimizer.zero_grad(set_to_none=True)
 
 
-def ours(g: Geometry, data: Data, device: torch.device, compiled: bool) -> Callable[[], None]:
-    """The train stage's step: DraftLoss (TTT attention kernel, chunked soft-CE) + AdamW."""
+@dataclass
+class OurParts:
+    loss: DraftLoss
+    batch: Batch
+    optimizer: torch.optim.Optimizer
+
+
+def our_parts(g: Geometry, data: Data, device: torch.device, compiled: bool) -> OurParts:
+    """The train stage's pieces: DraftLoss (TTT attention kernel, chunked soft-CE), one batch, AdamW."""
     config = DrafterConfig.from_target(g.llama_config(), draft_vocab_size=g.draft_vocab, aux_layer_ids=AUX_IDS)
     drafter = Drafter(config).to(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -156,18 +188,59 @@ def ours(g: Geometry, data: Data, device: torch.device, compiled: bool) -> Calla
     loss = DraftLoss(drafter, teacher.to(device, dtype), g.ttt_steps, chunk_size=1024)
     if compiled:
         drafter.compile()
-    optimizer = make_optimizer(drafter, TrainParams(), device)
-    weights = batch.step_weights(g.ttt_steps)
+    return OurParts(loss, batch, make_optimizer(drafter, TrainParams(), device))
+
+
+def ours(g: Geometry, data: Data, device: torch.device, compiled: bool) -> Callable[[], None]:
+    """The train stage's step, one process: DraftLoss + AdamW."""
+    parts = our_parts(g, data, device, compiled)
+    weights = parts.batch.step_weights(g.ttt_steps)
     scale = torch.tensor([DECAY**k for k in range(g.ttt_steps)], device=device) / weights
-    params = list(drafter.parameters())
+    params = list(parts.loss.drafter.parameters())
 
     def step() -> None:
         with autocast(device):
-            objective, _, _ = loss(batch, scale)
+            objective, _, _ = parts.loss(parts.batch, scale)
         objective.backward()
-        adamw_step(params, optimizer)
+        adamw_step(params, parts.optimizer)
 
     return step
+
+
+def ours_ddp(g: Geometry, data: Data, dist: Dist, compiled: bool) -> tuple[Callable[[], None], DraftLoss]:
+    """The train stage's own train_step over this rank's batch, with the stage's global-batch rule
+    (batches_per_step = world size: per-step means over all ranks' tokens, DDP averaging gradients)."""
+    parts = our_parts(g, data, dist.device, compiled)
+    params = TrainParams(ttt_steps=g.ttt_steps, step_decay=DECAY, max_seq_len=g.seq, max_tokens_per_batch=g.seq,
+                         batches_per_step=dist.world, compile=compiled)
+    check_params(params, dist.world)
+    model: torch.nn.Module = parts.loss
+    if dist.world > 1:  # as stages.train.setup wraps it
+        model = DistributedDataParallel(parts.loss,
+                                        device_ids=[dist.device.index] if dist.device.type == "cuda" else None)
+    decay = torch.tensor([params.step_decay**k for k in range(params.ttt_steps)], device=dist.device)
+    dtype = torch.bfloat16 if dist.device.type == "cuda" else torch.float32
+    # train_step reads params, dist, loss, model, optimizer and decay; inputs, plan and state belong to the
+    # stage's data pipeline and checkpoints, which this benchmark replaces with one resident batch.
+    unused: Any = None
+    run = Run(params=params, paths=Paths(), dist=dist, inputs=unused, plan=unused, loss=parts.loss, model=model,
+              optimizer=parts.optimizer, state=unused, dtype=dtype, decay=decay)
+    return lambda: train_step(run, [parts.batch], params.lr), parts.loss
+
+
+def allreduce_ms(numel: int, dist: Dist, repeats: int = 5) -> float | None:
+    """Median time of one all-reduce of `numel` fp32 values (the drafter's gradients), after a warm-up."""
+    if dist.world == 1:
+        return None
+    buffer = torch.ones(numel, device=dist.device)
+    times = []
+    for _ in range(repeats + 1):
+        sync(dist.device)
+        start = time.perf_counter()
+        dist.all_reduce(buffer)
+        sync(dist.device)
+        times.append(time.perf_counter() - start)
+    return round(1e3 * statistics.median(times[1:]), 2)
 
 
 def import_first(modules: list[str], name: str) -> Any:
@@ -225,7 +298,9 @@ def sync(device: torch.device) -> None:
 
 
 def measure(step: Callable[[], None], g: Geometry, device: torch.device, warmup: int, seconds: float,
-            peak_flops: float) -> dict[str, Any]:
+            peak_flops: float, agree: Callable[[bool], bool] = lambda more: more) -> dict[str, Any]:
+    """`agree` turns this process's "time another step?" into the answer all processes share (DDP ranks
+    that stopped at different steps would wait for each other's gradients forever)."""
     for _ in range(warmup):
         step()
     sync(device)
@@ -233,7 +308,7 @@ def measure(step: Callable[[], None], g: Geometry, device: torch.device, warmup:
         torch.cuda.reset_peak_memory_stats(device)
     times: list[float] = []
     start = time.perf_counter()
-    while len(times) < 3 or time.perf_counter() - start < seconds:
+    while agree(len(times) < 3 or time.perf_counter() - start < seconds):
         t0 = time.perf_counter()
         step()
         sync(device)
@@ -272,6 +347,53 @@ def fastest(variants: dict[str, dict[str, Any]], prefix: str) -> str | None:
     return max(ran, key=lambda name: variants[name]["tokens_per_s"], default=None)
 
 
+def main_ranks(args: argparse.Namespace) -> None:
+    """Ours under DDP on every rank of a torchrun job; rank 0 writes the record."""
+    dist = init_distributed()
+    g = TINY if args.tiny else Geometry()
+    data = own_sample(random_data(g, dist.device), g, dist.rank)
+    compiled = dist.device.type == "cuda" and not args.no_compile
+    step, loss = ours_ddp(g, data, dist, compiled)
+    before = HostSnapshot.take()
+    result = measure(step, g, dist.device, args.warmup, args.seconds, args.peak_tflops * 1e12,
+                     lambda more: all_agree(more, dist.device))
+    after = HostSnapshot.take()
+    result |= {"rank": dist.rank, "process_cores": process_cores(before, after)}
+    gradients = sum(p.numel() for p in loss.drafter.parameters())
+    reduce_ms = allreduce_ms(gradients, dist)
+    per_rank = gather(result)
+    del step, loss  # DDP's reducer goes before its process group (see stages.train.train)
+    gc.collect()
+    if dist.main:
+        record = {
+            "benchmark": "train",
+            "world_size": dist.world,
+            "variant": "ours_compiled" if compiled else "ours_eager",
+            # DDP keeps ranks in step: each rank's median step covers the whole global batch
+            "aggregate_tokens_per_s": round(sum(r["tokens_per_s"] for r in per_rank), 1),
+            "global_batch_tokens": dist.world * g.seq,
+            "gradient_values": gradients,
+            "gradient_allreduce_ms": reduce_ms,
+            "command": " ".join(sys.argv),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "device": machine_info() | {"torch": torch.__version__, "device": str(dist.device)},
+            "geometry": asdict(g),
+            "seconds": args.seconds,
+            **host_usage(before, after),
+            "per_rank": per_rank,
+        }
+        write_record(record, args.out)
+    finish()
+
+
+def write_record(record: dict[str, Any], out: Path | None) -> None:
+    text = json.dumps(record, indent=2) + "\n"
+    print(text)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="tiny geometry (CPU smoke run)")
@@ -282,6 +404,8 @@ def main() -> None:
     p.add_argument("--specforge", type=Path, help="a SpecForge checkout to compare against")
     p.add_argument("--out", type=Path, help="JSON result file")
     args = p.parse_args()
+    if under_torchrun():
+        return main_ranks(args)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     g = TINY if args.tiny else Geometry()
@@ -314,11 +438,7 @@ def main() -> None:
         "setup": "fp32 master weights, AdamW, grad clip 0.5; bf16 autocast on CUDA, fp32 on CPU",
         "variants": variants,
     }
-    text = json.dumps(record, indent=2) + "\n"
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    write_record(record, args.out)
 
 
 if __name__ == "__main__":
