@@ -377,12 +377,14 @@ def main() -> None:
     todo = [(i, p) for i, p in enumerate(prompts) if p["id"] not in stored]
     print(f"generate: {len(prompts)} prompts, {len(prompts) - len(todo)} already answered in {work}, "
           f"{len(todo)} to go", file=sys.stderr)
-    started = False
+    started, counters = False, Counters()
     try:
         check_params(params)
-        url, entry, started = connect(params, serve, record)
-        check_served_model(url, entry, record, tokenizer)
-        counters = asyncio.run(run(params, url, entry, tokenizer, todo, work, len(prompts), len(prompts) - len(todo)))
+        if todo:  # all answered already (a resumed run): no server needed
+            url, entry, started = connect(params, serve, record)
+            check_served_model(url, entry, record, tokenizer)
+            counters = asyncio.run(run(params, url, entry, tokenizer, todo, work, len(prompts),
+                                       len(prompts) - len(todo)))
     except (GenerateError, server.ServerError) as err:
         sys.exit(f"generate: {err}")
     finally:
