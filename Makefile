@@ -109,3 +109,11 @@ SGLANG_PY ?= $(PY)
 .PHONY: sglang-bench
 sglang-bench: $(STAMP) ## SGLang (GPU): export the drafter for SGLang, serve it with the target, report acceptance + tok/s [SGLANG_PY=python]
 	$(PY) -m stages.sglang_bench --python $(SGLANG_PY)
+
+# Data-budget sweep: one `dvc exp run --temp` per value (the workspace is not touched; a rerun skips done values).
+SWEEP_PARAM ?= prompts.num_samples
+SIZES ?= 50 100 200
+
+.PHONY: sweep
+sweep: setup ## Acceptance against data budget: one DVC experiment per SIZES value, plot in sweep/ [SIZES="50 100 200"]
+	$(PY) -m stages.sweep --param $(SWEEP_PARAM) --values $(SIZES)
