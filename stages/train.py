@@ -70,6 +70,7 @@ from stages.train_teacher import Teacher, TeacherError, load_teacher, target_con
 
 # Params that change how a run is watched or saved, not the weights it produces: changing them
 # does not stop a resume.
+HEAD_INITS = ("target", "random")
 OPERATIONAL = ("log_every", "checkpoint_every", "eval_every", "num_workers", "compile", "save_dtype")
 
 
@@ -82,6 +83,9 @@ class TrainParams:
     init_from: str | None = None  # servable drafter directory to fine-tune (its d2t/t2d are kept)
     hidden_size: int | None = None  # drafter width; None: the target's (then it shares its embeddings)
     intermediate_size: int | None = None  # None: the target's
+    # "target": a new drafter's lm_head and final norm start as the target's (its lm_head rows of the
+    # draft vocabulary), so the drafter only has to learn which state to hand them; "random": nn.Linear init.
+    head_init: str = "target"
     ttt_steps: int = 7
     step_decay: float = 0.8  # TTT step k weighs step_decay**k
     prompt_loss_weight: float = 0.0  # weight of rows whose predicted token is not generated
@@ -143,6 +147,8 @@ def check_params(params: TrainParams, world: int) -> None:
     for name in ("epochs", "log_every", "checkpoint_every", "length_group", "ce_chunk_size"):
         if getattr(params, name) < 1:
             problems.append(f"{name}={getattr(params, name)} must be >= 1")
+    if params.head_init not in HEAD_INITS:
+        problems.append(f"head_init={params.head_init!r} is not one of {list(HEAD_INITS)}")
     if params.save_dtype not in (*WEIGHT_DTYPES, "target"):
         problems.append(f"save_dtype={params.save_dtype!r} is not one of {[*WEIGHT_DTYPES, 'target']}")
     if problems:
@@ -221,6 +227,16 @@ def build_drafter(
     return Drafter(drafter_config), d2t, t2d
 
 
+def init_head_from_target(drafter: Drafter, teacher: Teacher) -> None:
+    if drafter.config.hidden_size != drafter.config.target_hidden_size:
+        raise TrainError(f"train.head_init=target needs the target's width {drafter.config.target_hidden_size}, "
+                         f"the drafter has hidden_size {drafter.config.hidden_size}; use head_init: random")
+    with torch.no_grad():
+        drafter.lm_head.weight.copy_(teacher.head)
+        if teacher.norm is not None:
+            drafter.norm.weight.copy_(teacher.norm.weight)
+
+
 def fingerprint(params: TrainParams, record: dict[str, Any], store: HiddenStore, drafter: Drafter, d2t: Tensor,
                 t2d: Tensor) -> str:
     """What the trained weights depend on: params, target, store (its index checksums every
@@ -248,6 +264,8 @@ def load_inputs(params: TrainParams, paths: Paths) -> Inputs:
     except ValueError as err:  # CheckpointError, DrafterConfig's checks: all name what is wrong
         raise TrainError(str(err)) from err
     teacher = load_teacher(record, config, d2t, pre_norm)
+    if params.head_init == "target" and not params.init_from:
+        init_head_from_target(drafter, teacher)
     return Inputs(record, store, drafter, d2t, t2d, teacher, fingerprint(params, record, store, drafter, d2t, t2d))
 
 
