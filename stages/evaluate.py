@@ -25,17 +25,24 @@ import torch
 
 from stages import server
 from stages.atomic import atomic_write_json
-from stages.checkpoint import load_drafter
+from stages.checkpoint import load_drafter, read_checkpoint
 from stages.generate import render
 from stages.metrics import write_metrics
 from stages.params import load_section
+from stages.progress import Progress
 from stages.speculative import DecodeStats, SpecDecoder
 from stages.target import load_record
 
-TARGET_DIR, DRAFTER_DIR = Path("artifacts/target"), Path("artifacts/drafter")
-EVAL_PROMPTS, VOCAB_DIR = Path("artifacts/prompts/eval.parquet"), Path("artifacts/vocab")
-MANIFEST = Path("artifacts/hidden/manifest.json")
-STATE_DIR = Path("run/server-eval")
+
+
+@dataclass(frozen=True)
+class EvalPaths:
+    target: Path = Path("artifacts/target")
+    drafter: Path = Path("artifacts/drafter")  # what the engine serves: the export under test
+    prompts: Path = Path("artifacts/prompts/eval.parquet")
+    vocab: Path = Path("artifacts/vocab")  # the vocabulary map the drafter was trained with
+    manifest: Path = Path("artifacts/hidden/manifest.json")  # the aux layer ids it was trained with
+    server_state: Path = Path("run/server-eval")
 METRIC = re.compile(r'^(vllm:spec_decode_num_(?:drafts|draft_tokens|accepted_tokens|accepted_tokens_per_pos)_total)'
                     r'\{([^}]*)\}\s+([0-9.eE+-]+)$')
 
@@ -45,10 +52,12 @@ class EvaluateParams:
     num_speculative_tokens: int = 3
     temperature: float = 0.0
     max_new_tokens: int = 256
-    num_questions: int = 80  # MT-bench questions, both turns each
+    num_questions: int = 80  # MT-bench questions
+    turns: int = 2  # turns per question; turn 2 continues the model's own first answer
     offline: bool = True
     online: bool = True
     concurrency: int = 8
+    offline_batch_size: int = 40  # prompts per batched greedy generate (offline, T=0)
     throughput_prompts: int = 8  # prompts timed at batch 1 and at `concurrency`, with and without the drafter
     measure_baseline: bool = True  # also serve the target alone for the throughput comparison
     agreement_tolerance: float = 0.10  # |offline - vLLM| / vLLM acceptance length, at temperature 0
@@ -56,8 +65,19 @@ class EvaluateParams:
     port: int = 8010
 
 
-def questions(n: int) -> list[dict[str, Any]]:
-    return pq.read_table(EVAL_PROMPTS).to_pylist()[:n]
+def questions(params: EvaluateParams, prompts: Path) -> list[dict[str, Any]]:
+    if params.num_questions < 1 or params.turns < 1 or params.num_speculative_tokens < 1:
+        raise ValueError(f"evaluate: num_questions={params.num_questions}, turns={params.turns} and "
+                         f"num_speculative_tokens={params.num_speculative_tokens} must all be >= 1")
+    items = pq.read_table(prompts).to_pylist()[: params.num_questions]
+    return [{**item, "turns": item["turns"][: params.turns]} for item in items]
+
+
+def histogram(accepted_per_pos: list[float], rounds: float) -> list[float]:
+    """Share of rounds that accepted exactly n = 0..k drafts. In chain drafting position i is
+    accepted only if all before it were, so "at least i+1 accepted" counts are the per-position counts."""
+    at_least = [rounds, *accepted_per_pos, 0]
+    return [round((at_least[n] - at_least[n + 1]) / rounds, 4) if rounds else 0.0 for n in range(len(at_least) - 1)]
 
 
 def conversation(turns: list[str], answers: list[str]) -> list[dict[str, str]]:
@@ -70,29 +90,66 @@ def conversation(turns: list[str], answers: list[str]) -> list[dict[str, str]]:
     return messages
 
 
-def offline_eval(params: EvaluateParams, record: dict, tokenizer: Any, items: list[dict]) -> dict[str, Any]:
+def greedy_answers(target: Any, prompts: list[list[int]], max_new_tokens: int, eos: set[int], pad_id: int,
+                   batch_size: int, progress: Progress) -> list[list[int]]:
+    """The target's greedy answers, `batch_size` prompts per generate call (left-padded), each cut
+    after its first end-of-turn token. Batching shares each step's weight reads: decode is bound by them."""
+    answers = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start : start + batch_size]
+        longest = max(map(len, chunk))
+        ids = torch.full((len(chunk), longest), pad_id)
+        mask = torch.zeros((len(chunk), longest), dtype=torch.long)
+        for row, prompt in enumerate(chunk):
+            ids[row, longest - len(prompt):] = torch.tensor(prompt)
+            mask[row, longest - len(prompt):] = 1
+        with torch.no_grad():
+            out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                                  eos_token_id=sorted(eos), pad_token_id=pad_id)
+        for row in out[:, longest:].tolist():
+            ends = [i for i, t in enumerate(row) if t in eos]
+            answers.append(row[: ends[0] + 1] if ends else row)
+        progress.update(len(chunk))
+    return answers
+
+
+def offline_eval(params: EvaluateParams, record: dict, tokenizer: Any, items: list[dict],
+                 paths: EvalPaths = EvalPaths()) -> dict[str, Any]:
+    """Chain speculative decoding with our decoder. At T=0 the target's greedy answers are generated
+    in batches and the rounds replayed along them (SpecDecoder.replay: the same counts as decoding
+    one round at a time, tested); at T>0 every answer is decoded with rejection sampling."""
     from transformers import AutoModelForCausalLM
 
     target = AutoModelForCausalLM.from_pretrained(record["model_path"], dtype=torch.float32).eval()
-    drafter = load_drafter(DRAFTER_DIR)
-    drafter.d2t = torch.from_numpy(np.load(VOCAB_DIR / "d2t.npy"))  # the map it was trained with
-    aux_ids = json.loads(MANIFEST.read_text())["aux_layer_ids"]
+    drafter = load_drafter(paths.drafter)
+    drafter.d2t = torch.from_numpy(np.load(paths.vocab / "d2t.npy"))  # the map it was trained with
+    aux_ids = json.loads(paths.manifest.read_text())["aux_layer_ids"]
     decoder = SpecDecoder(target, drafter, aux_ids, params.num_speculative_tokens, params.temperature,
                           torch.Generator().manual_seed(params.seed))
     eos = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")} - {None}
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     total, per_category = DecodeStats(), defaultdict(DecodeStats)
-    for number, item in enumerate(items, start=1):
-        answers: list[str] = []
-        for _ in item["turns"]:
-            ids, stats = decoder.generate(render(tokenizer, conversation(item["turns"], answers), True),
-                                          params.max_new_tokens, eos)
-            answers.append(tokenizer.decode(ids, skip_special_tokens=True))
+    answers: list[list[str]] = [[] for _ in items]
+    for turn in range(max(len(item["turns"]) for item in items)):
+        todo = [i for i, item in enumerate(items) if len(item["turns"]) > turn]
+        prompts = [render(tokenizer, conversation(items[i]["turns"], answers[i]), True) for i in todo]
+        replies: list[list[int] | None] = [None] * len(todo)
+        if params.temperature == 0:
+            replies = greedy_answers(target, prompts, params.max_new_tokens, eos, pad_id, params.offline_batch_size,
+                                     Progress(f"evaluate offline turn {turn + 1}: greedy answers", len(todo), "answers"))
+        progress = Progress(f"evaluate offline turn {turn + 1}: speculative rounds", len(todo), "answers")
+        for i, prompt, reply in zip(todo, prompts, replies):
+            if reply is None:
+                reply, stats = decoder.generate(prompt, params.max_new_tokens, eos)
+            else:
+                stats = decoder.replay(prompt, reply, stop=len(reply))
+            answers[i].append(tokenizer.decode(reply, skip_special_tokens=True))
             total.add(stats)
-            per_category[item["category"]].add(stats)
-        print(f"[evaluate offline] {number}/{len(items)} questions, acceptance length "
-              f"{total.acceptance_length():.3f}", file=sys.stderr, flush=True)
+            per_category[items[i]["category"]].add(stats)
+            progress.update(1, extra=f"acceptance length {total.acceptance_length():.3f}")
     return {"acceptance_length": total.acceptance_length(),
             "per_position": [a / total.rounds for a in total.accepted_per_pos],
+            "histogram": histogram(total.accepted_per_pos, total.rounds),
             "rounds": total.rounds, "generated": total.generated,
             "per_category": {c: round(s.acceptance_length(), 4) for c, s in sorted(per_category.items())}}
 
@@ -121,9 +178,11 @@ async def chat(client: httpx.AsyncClient, url: str, messages: list[dict], params
     return response.json()
 
 
-async def answer_all(url: str, items: list[dict], params: EvaluateParams, concurrency: int) -> list[list[str]]:
+async def answer_all(url: str, items: list[dict], params: EvaluateParams, concurrency: int,
+                     label: str = "evaluate vLLM") -> list[list[str]]:
     """Every question's turns, each later turn conditioned on the engine's own answers."""
     limit = asyncio.Semaphore(concurrency)
+    progress = Progress(label, total=sum(len(item["turns"]) for item in items), unit="answers")
     async with httpx.AsyncClient() as client:
         async def one(item: dict) -> list[str]:
             answers: list[str] = []
@@ -131,6 +190,7 @@ async def answer_all(url: str, items: list[dict], params: EvaluateParams, concur
                 async with limit:
                     body = await chat(client, url, conversation(item["turns"], answers), params)
                 answers.append(body["choices"][0]["message"]["content"] or "")
+                progress.update(1)
             return answers
         return await asyncio.gather(*(one(item) for item in items))
 
@@ -145,16 +205,16 @@ def output_tokens_per_s(url: str, items: list[dict], params: EvaluateParams, con
     """Generated tokens per second over the first turns of `items`, `concurrency` requests at a time."""
     first_turns = [{**item, "turns": item["turns"][:1]} for item in items]
     before, start = generation_tokens(url), time.monotonic()
-    asyncio.run(answer_all(url, first_turns, params, concurrency))
+    asyncio.run(answer_all(url, first_turns, params, concurrency, f"evaluate throughput x{concurrency}"))
     return (generation_tokens(url) - before) / (time.monotonic() - start)
 
 
-def serve(params: EvaluateParams, record: dict, speculative: bool) -> server.ServerState:
-    extra = ["--speculative-config", json.dumps({"method": "eagle3", "model": str(DRAFTER_DIR.resolve()),
+def serve(params: EvaluateParams, record: dict, speculative: bool, paths: EvalPaths) -> server.ServerState:
+    extra = ["--speculative-config", json.dumps({"method": "eagle3", "model": str(paths.drafter.resolve()),
                                                   "num_speculative_tokens": params.num_speculative_tokens})]
     serve_params = dataclasses.replace(load_section("serve", server.ServeParams), port=params.port,
                                        extra_args=extra if speculative else [])
-    return server.start(serve_params, record, state_dir=STATE_DIR)
+    return server.start(serve_params, record, state_dir=paths.server_state)
 
 
 def throughput(url: str, items: list[dict], params: EvaluateParams) -> dict[str, float]:
@@ -164,29 +224,32 @@ def throughput(url: str, items: list[dict], params: EvaluateParams) -> dict[str,
                                                                                       params.concurrency), 2)}
 
 
-def online_eval(params: EvaluateParams, record: dict, items: list[dict]) -> dict[str, Any]:
+def online_eval(params: EvaluateParams, record: dict, items: list[dict],
+                paths: EvalPaths = EvalPaths()) -> dict[str, Any]:
     """The same questions through vLLM serving target + drafter; acceptance read from /metrics."""
-    state = serve(params, record, speculative=True)
+    state = serve(params, record, speculative=True, paths=paths)
     try:
         before = scrape(state.url)
         asyncio.run(answer_all(state.url, items, params, params.concurrency))
         after = scrape(state.url)
         with_drafter = throughput(state.url, items, params)
     finally:
-        server.stop(STATE_DIR)
+        server.stop(paths.server_state)
     drafts = after["drafts"] - before["drafts"]
     accepted = after["accepted_tokens"] - before["accepted_tokens"]
     result = {"acceptance_length": 1 + accepted / drafts if drafts else 0.0, "drafts": drafts,
               "draft_tokens": after["draft_tokens"] - before["draft_tokens"],
               "per_position": [(after[f"pos{i}"] - before.get(f"pos{i}", 0)) / drafts if drafts else 0.0
                                for i in range(params.num_speculative_tokens)],
+              "histogram": histogram([after[f"pos{i}"] - before.get(f"pos{i}", 0)
+                                      for i in range(params.num_speculative_tokens)], drafts),
               "throughput_with_drafter": with_drafter}
     if params.measure_baseline:
-        state = serve(params, record, speculative=False)
+        state = serve(params, record, speculative=False, paths=paths)
         try:
             result["throughput_without_drafter"] = throughput(state.url, items, params)
         finally:
-            server.stop(STATE_DIR)
+            server.stop(paths.server_state)
     return result
 
 
@@ -201,22 +264,60 @@ def agreement_failure(offline: dict, online: dict, tolerance: float) -> str | No
             f"(aux layer ids, vocab map or weights in the export). Per position:\n{curves}")
 
 
+def write_plots(k: int, offline: dict | None, online: dict | None) -> None:
+    """DVC plots: acceptance per draft position and the accepted-drafts histogram, offline vs vLLM."""
+    def column(result: dict | None, key: str, n: int) -> list[float | None]:
+        return [round(x, 4) for x in result[key]] if result else [None] * n
+
+    for name, key, n, x in (("evaluate_positions", "per_position", k, "position"),
+                            ("evaluate_histogram", "histogram", k + 1, "accepted")):
+        rows = zip(column(offline, key, n), column(online, key, n))
+        atomic_write_json(Path(f"metrics/{name}.json"), [{x: i, "offline": o, "vllm": v} for i, (o, v) in enumerate(rows)])
+
+
+def export_mismatches(paths: EvalPaths) -> list[str]:
+    """What the engine reads from the export against what the drafter was trained with.
+
+    Acceptance alone misses some defects: on the embedded target, replaying the default drafter
+    with aux ids shifted by one gave 1.160 against 1.163 (adjacent layers' states are that alike),
+    far inside any tolerance. So the ids and the vocabulary map are compared directly as well.
+    """
+    config, tensors = read_checkpoint(paths.drafter)
+    trained = json.loads(paths.manifest.read_text())["aux_layer_ids"]
+    # vLLM prefers a top-level list to eagle_config's (vllm/v1/worker/gpu_model_runner.py).
+    served = config.get("eagle_aux_hidden_state_layer_ids") or (config.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids")
+    problems = []
+    if served != trained:
+        problems.append(f"{paths.drafter}/config.json serves aux layer ids {served}; the drafter was trained on "
+                        f"{trained} ({paths.manifest})")
+    d2t = np.load(paths.vocab / "d2t.npy", allow_pickle=False)
+    if "d2t" not in tensors:
+        problems.append(f"{paths.drafter}/model.safetensors has no d2t: vLLM would read draft id i as target id i")
+    elif not np.array_equal(tensors["d2t"].numpy(), d2t):
+        problems.append(f"{paths.drafter}/model.safetensors: d2t differs from the map it was trained with "
+                        f"({paths.vocab / 'd2t.npy'})")
+    return problems
+
+
 def main() -> None:
     from transformers import AutoTokenizer
 
     start = time.monotonic()
     server.require_accelerators_free("evaluate")
     params = load_section("evaluate", EvaluateParams)
-    record = load_record(TARGET_DIR)
-    tokenizer = AutoTokenizer.from_pretrained(TARGET_DIR)
-    items = questions(params.num_questions)
+    paths = EvalPaths()
+    record = load_record(paths.target)
+    tokenizer = AutoTokenizer.from_pretrained(paths.target)
+    items = questions(params, paths.prompts)
     offline = offline_eval(params, record, tokenizer, items) if params.offline else None
     online = online_eval(params, record, items) if params.online else None
     failure = (agreement_failure(offline, online, params.agreement_tolerance)
                if offline and online and params.temperature == 0 else None)
+    mismatches = export_mismatches(paths)
     wall = time.monotonic() - start
     metrics = {"num_draft_tokens": params.num_speculative_tokens, "temperature": params.temperature,
-               "questions": len(items),
+               "questions": len(items), "turns": params.turns,
                "offline_acceptance_length": round(offline["acceptance_length"], 4) if offline else None,
                "offline_acceptance_per_position": [round(x, 4) for x in offline["per_position"]] if offline else None,
                "offline_per_category": offline["per_category"] if offline else None,
@@ -225,17 +326,15 @@ def main() -> None:
                "vllm_drafts": online["drafts"] if online else None,
                "throughput_with_drafter": online["throughput_with_drafter"] if online else None,
                "throughput_without_drafter": (online or {}).get("throughput_without_drafter"),
-               "agreement": failure is None}
+               "agreement": failure is None, "export_matches_training": not mismatches}
     write_metrics("evaluate", wall, items=len(items), tokens=offline["generated"] if offline else 0, **metrics)
-    atomic_write_json(Path("metrics/evaluate_positions.json"), [
-        {"position": i, "offline": (offline or {}).get("per_position", [None] * (i + 1))[i],
-         "vllm": (online or {}).get("per_position", [None] * (i + 1))[i]} for i in range(params.num_speculative_tokens)])
+    write_plots(params.num_speculative_tokens, offline, online)
     print(f"evaluate: acceptance length at k={params.num_speculative_tokens}, T={params.temperature}: offline "
           f"{metrics['offline_acceptance_length']}, vLLM {metrics['vllm_acceptance_length']} on {len(items)} "
           f"questions; per position offline {metrics['offline_acceptance_per_position']}, vLLM "
           f"{metrics['vllm_acceptance_per_position']}, {wall:.0f}s")
-    if failure:
-        sys.exit(f"evaluate: {failure}")
+    if failure or mismatches:
+        sys.exit("\n".join(f"evaluate: {problem}" for problem in [*mismatches, *([failure] if failure else [])]))
 
 
 if __name__ == "__main__":

@@ -29,3 +29,101 @@ def test_agreement_check_prints_both_curves_when_they_differ():
 def test_second_turn_follows_the_models_own_answer():
     assert conversation(["q1", "q2"], ["a1"]) == [
         {"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"}, {"role": "user", "content": "q2"}]
+
+
+def test_histogram_from_chain_counts():
+    from stages.evaluate import histogram
+
+    # 10 rounds: 4 accepted position 0, 2 of those position 1, 1 of those position 2.
+    assert histogram([4, 2, 1], 10) == [0.6, 0.2, 0.1, 0.1]
+
+
+QUESTIONS = ["List the planets of the solar system.", "Write a haiku about the sea.",
+             "Explain what a prime number is.", "Give three tips for a job interview."]
+
+
+def write_responses(path, tokenizer, prompts: list[list[int]], answers: list[list[int]]) -> None:
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({
+        "id": [f"q{i}" for i in range(len(prompts))],
+        "messages": [json.dumps([{"role": "user", "content": q}]) for q in QUESTIONS],
+        "prompt_token_ids": prompts, "completion_token_ids": answers}), path)
+
+
+def exported_copy(drafter, out, edit) -> "Path":
+    """A copy of the served drafter after edit(config, tensors): an export gone wrong."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from stages.checkpoint import read_checkpoint
+
+    config, tensors = read_checkpoint(drafter)
+    edit(config, tensors)
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(config))
+    save_file(tensors, out / "model.safetensors")
+    return out
+
+
+def test_agreement_check_catches_shifted_aux_ids_and_dropped_d2t(embedded_target, tokenizer, tmp_path, monkeypatch):
+    """A drafter trained (on these questions' own greedy answers, so it is good at them) is served by
+    vLLM three ways: as exported, with its aux layer ids shifted by one, and without d2t. The offline
+    evaluator reads what the drafter was trained with; only the faithful export passes the checks."""
+    import dataclasses
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from stages import evaluate, extract, train, vocab
+    from stages.progress import Progress
+    from tests.conftest import free_port
+
+    monkeypatch.chdir(tmp_path)  # the stages write metrics/ relative to the working directory
+    folder, record = embedded_target
+    target = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    eos = {tokenizer.convert_tokens_to_ids("<|im_end|>")}
+    prompts = [evaluate.render(tokenizer, [{"role": "user", "content": q}], True) for q in QUESTIONS]
+    answers = evaluate.greedy_answers(target, prompts, 48, eos, tokenizer.eos_token_id, 4, Progress("t", 4))
+    responses = tmp_path / "responses.parquet"
+    write_responses(responses, tokenizer, prompts, answers)
+    vocab.build(vocab.VocabParams(draft_vocab_size=1024), record["vocab_size"], responses, tmp_path / "vocab")
+    extract.run_extraction(extract.ExtractParams(), record, tokenizer, responses, tmp_path / "hidden", tmp_path / "x")
+    paths = train.Paths(hidden=tmp_path / "hidden", vocab=tmp_path / "vocab", target=folder, out=tmp_path / "drafter",
+                        run=tmp_path / "run", curve=tmp_path / "curve.csv", heldout_curve=tmp_path / "heldout.csv")
+    train.train(train.TrainParams(ttt_steps=2, epochs=60, lr=3e-3, warmup_steps=3, eval_fraction=0.0,
+                                  prompt_loss_weight=1.0, max_tokens_per_batch=1024, max_seq_len=1024,
+                                  num_workers=0, checkpoint_every=1000), paths)
+
+    params = evaluate.EvaluateParams(num_speculative_tokens=2, max_new_tokens=48, offline_batch_size=4,
+                                     throughput_prompts=1, measure_baseline=False, port=free_port())
+    items = [{"turns": [q], "category": "test"} for q in QUESTIONS]
+    trained_with = evaluate.EvalPaths(target=folder, drafter=paths.out, vocab=paths.vocab,
+                                      manifest=paths.hidden / "manifest.json", server_state=tmp_path / "server")
+    offline = evaluate.offline_eval(params, record, tokenizer, items, trained_with)
+    assert offline["acceptance_length"] > 1.4, offline  # a drafter worth checking
+
+    def shift_aux(config, tensors):
+        ids = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+        config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in ids]
+
+    exports = {"faithful": paths.out,
+               "aux ids + 1": exported_copy(paths.out, tmp_path / "shifted", shift_aux),
+               "no d2t": exported_copy(paths.out, tmp_path / "no-d2t", lambda c, t: t.pop("d2t"))}
+    acceptance, mismatches = {}, {}
+    for name, served in exports.items():
+        export = dataclasses.replace(trained_with, drafter=served)
+        online = evaluate.online_eval(params, record, items, export)
+        acceptance[name] = evaluate.agreement_failure(offline, online, params.agreement_tolerance)
+        mismatches[name] = evaluate.export_mismatches(export)
+    assert acceptance["faithful"] is None and mismatches["faithful"] == [], (acceptance, mismatches)
+    # Without d2t the engine drafts other tokens: acceptance falls and the check fails, naming both curves.
+    assert acceptance["no d2t"] and "position 0" in acceptance["no d2t"]
+    assert any("no d2t" in m for m in mismatches["no d2t"])
+    # Adjacent layers' states are alike enough that acceptance may not move (README, evaluate);
+    # the comparison of the served ids with the trained ones catches the shift whatever it does.
+    assert any("serves aux layer ids [3, 16, 28]" in m for m in mismatches["aux ids + 1"]), mismatches
