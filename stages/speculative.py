@@ -89,6 +89,36 @@ class SpecDecoder:
         return drafts, qs, (keys, values)
 
     @torch.no_grad()
+    def replay(self, prompt_ids: list[int], continuation: list[int], stop: int) -> DecodeStats:
+        """Temperature 0 only: the rounds `generate(prompt_ids, stop, ...)` runs, from ONE target forward.
+
+        At T=0 the verified output is the target's greedy continuation whatever the drafts are,
+        and causal attention gives every position the same aux states in one pass over prompt +
+        continuation as in the incremental verifications. So the rounds can be replayed along the
+        known continuation without a target forward per round. Drafts are compared with the
+        continuation's tokens; those past `stop` (if given) stand for the target's argmax there.
+        """
+        if self.temperature != 0:
+            raise ValueError("replay is exact only at temperature 0; use generate")
+        tokens = list(prompt_ids) + list(continuation)
+        self.target.get_decoder()(input_ids=torch.tensor([tokens]), use_cache=False)
+        aux = torch.cat([self.capture.outputs[n] for n in self.capture.names[:-1]], dim=-1)[0]
+        self.capture.outputs.clear()
+        stats = DecodeStats(accepted_per_pos=[0] * self.k)
+        n, i, prefix = len(prompt_ids), 0, None  # continuation[i] is the token the next round starts from
+        while i + 1 < stop:
+            drafts, _, prefix = self.draft(aux[: n + i], tokens[1 : n + i + 1], prefix)
+            accepted = 0
+            while (accepted < self.k and i + 1 + accepted < len(continuation)
+                   and drafts[accepted] == continuation[i + 1 + accepted]):
+                stats.accepted_per_pos[accepted] += 1
+                accepted += 1
+            stats.rounds += 1
+            i += accepted + 1
+        stats.generated = min(stop, len(continuation))
+        return stats
+
+    @torch.no_grad()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int]) -> tuple[list[int], DecodeStats]:
         from transformers import DynamicCache
 

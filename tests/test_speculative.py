@@ -97,6 +97,45 @@ def test_incremental_drafts_equal_the_whole_sequence_unroll(embedded_target, tok
     assert len(rounds) >= 6 and all(mine == full for mine, full in rounds), rounds
 
 
+def test_replay_counts_the_rounds_generate_runs(embedded_target, tokenizer):
+    """At T=0 one forward over the greedy continuation gives generate()'s acceptance exactly."""
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(embedded_target[0]).eval()
+    # A draft vocabulary of frequent ids only, so some drafts are accepted and some are not.
+    drafter = random_drafter(target.config, [2, 15, 27], torch.arange(512), seed=5)
+    prompt = render(tokenizer, [{"role": "user", "content": "List the days of the week."}], generation_prompt=True)
+    with torch.no_grad():
+        plain = target.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False,
+                                min_new_tokens=40)[0, len(prompt):].tolist()
+    at_prompt = len(prompt) - 1  # next_tokens = sequence[1:] + [token] has this many tokens before the drafts
+
+    calls = [0]
+
+    def partly_right(aux, next_tokens, prefix):
+        """The true continuation with draft (round number mod k+1) spoiled: every accept count occurs."""
+        at = len(next_tokens) - at_prompt
+        drafts = plain[at: at + k] + [0] * max(0, at + k - len(plain))
+        wrong = calls[0] % (k + 1)
+        calls[0] += 1
+        if wrong < k:
+            drafts[wrong] = 0 if drafts[wrong] else 1
+        return drafts, [None] * k, prefix
+
+    for k in (1, 3):
+        calls[0] = 0
+        decoder = SpecDecoder(target, drafter, [2, 15, 27], k, temperature=0.0)
+        _, real = decoder.generate(prompt, 30, eos_ids=set())
+        replayed = decoder.replay(prompt, plain, stop=30)
+        assert (replayed.rounds, replayed.accepted_per_pos) == (real.rounds, real.accepted_per_pos)
+        decoder.draft = partly_right
+        _, real = decoder.generate(prompt, 30, eos_ids=set())
+        calls[0] = 0
+        replayed = decoder.replay(prompt, plain, stop=30)
+        assert (replayed.rounds, replayed.accepted_per_pos) == (real.rounds, real.accepted_per_pos)
+        assert sum(real.accepted_per_pos) > 0 and real.accepted_per_pos[0] < real.rounds
+
+
 def tiny_target(vocab: int = 12):
     from transformers import LlamaConfig, LlamaForCausalLM
 
