@@ -75,6 +75,8 @@ def test_agreement_check_catches_shifted_aux_ids_and_dropped_d2t(embedded_target
     vLLM three ways: as exported, with its aux layer ids shifted by one, and without d2t. The offline
     evaluator reads what the drafter was trained with; only the faithful export passes the checks."""
     import dataclasses
+    import shutil
+    from pathlib import Path
 
     import torch
     from transformers import AutoModelForCausalLM
@@ -83,7 +85,9 @@ def test_agreement_check_catches_shifted_aux_ids_and_dropped_d2t(embedded_target
     from stages.progress import Progress
     from tests.conftest import free_port
 
-    monkeypatch.chdir(tmp_path)  # the stages write metrics/ relative to the working directory
+    # The stages write metrics/ relative to the working directory; serving reads params.yaml's serve section.
+    shutil.copy(Path(__file__).resolve().parent.parent / "params.yaml", tmp_path)
+    monkeypatch.chdir(tmp_path)
     folder, record = embedded_target
     target = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     eos = {tokenizer.convert_tokens_to_ids("<|im_end|>")}
