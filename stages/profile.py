@@ -24,7 +24,7 @@ PROFILES_DIR = Path("profiles")
 
 
 def profile_paths(profiles_dir: Path = PROFILES_DIR) -> dict[str, Path]:
-    return {path.stem: path for path in sorted(profiles_dir.glob("*.yaml"))}
+    return {path.stem: path for path in sorted(profiles_dir.glob("*.yaml"), key=lambda path: path.stem)}
 
 
 def flatten(data: dict[str, Any]) -> dict[str, Any]:

@@ -103,5 +103,5 @@ def test_use_refuses_to_lose_edits_no_profile_holds(workspace):
 
 def test_use_names_the_profiles_there_are(workspace):
     params, profiles = workspace
-    with pytest.raises(ParamsError, match=r"llama\.yaml: no such profile \(have: embedded, kimi-k2\.5, llama-3\.1-8b"):
+    with pytest.raises(ParamsError, match=r"llama\.yaml: no such profile \(have: embedded, embedded-large, kimi-k2\.5, llama-3\.1-8b\)"):
         profile.use("llama", params_file=params, profiles_dir=profiles)
