@@ -7,6 +7,10 @@ Variants, each time-boxed, on random bf16 weights (weights decide nothing about 
   (c) naive + gzip level 6 (SpecForge's --compress);
   (d) ours end to end: hooks on the needed layers, pinned async copies, byte planes + zstd in
       threads, shards on disk.
+Then the training side reads (d)'s store back the way the train stage does (batch_loader: decode
+and collate of one 2048-token sample per batch in DataLoader workers, pinned), with 1 and with
+--reader-workers workers, for --seconds each; compared with the trainer's rate in
+benchmarks/results/train-h200.json when that file exists.
 Usage: python benchmarks/extract_bench.py --out benchmarks/results/extract-h200.json  (GPU)
        python benchmarks/extract_bench.py --tiny                                    (CPU smoke)
 
@@ -39,8 +43,12 @@ from benchmarks.ranks import (HostSnapshot, barrier, broadcast_str, finish, gath
                               local_world, process_cores, thread_cpu_seconds, under_torchrun)
 from stages.extract import (Capture, ExtractParams, Sample, distributed, forward_batch, pick_device,  # noqa: E402
                             store_batch)
-from stages.hidden_store import ShardWriter, merge_index, rank_todo  # noqa: E402
+from stages.hidden_reader import HiddenStore  # noqa: E402
+from stages.hidden_store import ArraySpec, ShardWriter, merge_index, rank_todo, write_manifest  # noqa: E402
 from stages.metrics import machine_info  # noqa: E402
+from stages.train_data import batch_loader  # noqa: E402
+
+TRAIN_RESULT = Path(__file__).resolve().parent / "results" / "train-h200.json"
 
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192)
@@ -107,6 +115,21 @@ def store_for(model, capture: Capture, template: list[Sample], writer: ShardWrit
     return tokens
 
 
+def reader_tokens_per_s(store: HiddenStore, workers: int, seconds: float, ttt_steps: int, seq: int) -> float:
+    """Tokens/s the train stage's loader decodes and collates from `store`, over whole batches."""
+    order = np.random.default_rng(0).permutation(len(store))
+    loader = batch_loader(store, [[int(row)] for row in order], ttt_steps=ttt_steps, max_seq_len=seq,
+                          prompt_loss_weight=1.0, num_workers=workers, pin_memory=torch.cuda.is_available())
+    batches = iter(loader)
+    next(batches)  # workers started and their prefetch queues filling, outside the window
+    start, tokens = time.perf_counter(), 0
+    for batch in batches:
+        tokens += batch.tokens
+        if time.perf_counter() - start >= seconds:
+            break
+    return tokens / (time.perf_counter() - start)
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tiny", action="store_true", help="small geometry, for a CPU check of the script")
@@ -117,6 +140,9 @@ def parse_args() -> argparse.Namespace:
                         help="compression threads per process; default: the cores less 4, shared among local ranks")
     parser.add_argument("--level", type=int, default=1)
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="measured dense bf16 peak of the GPU")
+    parser.add_argument("--reader-workers", type=int, default=None,
+                        help="DataLoader workers of the read-back measurement; default: the cores less 4")
+    parser.add_argument("--ttt-steps", type=int, default=7, help="TTT steps the reader collates for")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -169,6 +195,19 @@ def main() -> None:
     results["ours_tokens_per_s"] = stored / elapsed
     results["ours_stored_over_raw"] = stats.stored_over_raw
     results["ours_bytes_per_token"] = stats.stored_bytes / stats.tokens
+
+    hidden = geometry["hidden_size"]
+    write_manifest(work / "ours", model_hash="random", aux_layer_ids=aux_ids, layer_id_convention="bench",
+                   last_state="pre_norm", level=args.level, totals=merge_index(work / "ours"),
+                   arrays={"input_ids": ArraySpec("int32", ()), "loss_mask": ArraySpec("uint8", ()),
+                           "aux": ArraySpec("bfloat16", (3 * hidden,)), "last": ArraySpec("bfloat16", (hidden,))})
+    store = HiddenStore(work / "ours")
+    reader_workers = args.reader_workers or max(1, (os.cpu_count() or 2) - 4)
+    results["reader_tokens_per_s_1_worker"] = reader_tokens_per_s(store, 1, args.seconds, args.ttt_steps, seq)
+    results["reader_tokens_per_s"] = reader_tokens_per_s(store, reader_workers, args.seconds, args.ttt_steps, seq)
+    if TRAIN_RESULT.exists() and not args.tiny:  # the trainer's rate at 8B geometry
+        trainer = json.loads(TRAIN_RESULT.read_text())["ours_tokens_per_s"]
+        results["reader_over_trainer"] = results["reader_tokens_per_s"] / trainer
     shutil.rmtree(work, ignore_errors=True)
 
     non_embedding = sum(p.numel() for name, p in model.named_parameters() if "embed" not in name and "lm_head" not in name)
@@ -179,6 +218,7 @@ def main() -> None:
     record = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
               "device": machine_info() | {"torch": torch.__version__}, "geometry": geometry, "batch": args.batch,
               "seq": seq, "seconds_per_variant": args.seconds, "compress_threads": args.threads,
+              "reader_workers": reader_workers,
               "zstd_level": args.level, **{k: round(v, 4) for k, v in results.items()}}
     write_record(record, args.out)
 

@@ -323,6 +323,21 @@ def measure(step: Callable[[], None], g: Geometry, device: torch.device, warmup:
     }
 
 
+def profile_table(step: Callable[[], None], device: torch.device, steps: int = 3, rows: int = 30) -> str:
+    """torch.profiler's kernel table over `steps` steps (after one untimed step), by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    sync(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        sync(device)
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=90)
+
+
 def release(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -402,6 +417,8 @@ def main() -> None:
     p.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 peak of the device for MFU (H200 measured)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile'd variant of ours")
     p.add_argument("--specforge", type=Path, help="a SpecForge checkout to compare against")
+    p.add_argument("--profile", type=Path, help="also write torch.profiler's kernel table of ours (compiled "
+                   "on a GPU) over 3 steps to this file")
     p.add_argument("--out", type=Path, help="JSON result file")
     args = p.parse_args()
     if under_torchrun():
@@ -420,6 +437,10 @@ def main() -> None:
             variants[f"specforge_{backend}"] = run_variant(
                 f"specforge {backend}", lambda b=backend: specforge(g, data, device, b), args, g, device
             )
+    if args.profile:
+        args.profile.parent.mkdir(parents=True, exist_ok=True)
+        args.profile.write_text(profile_table(ours(g, data, device, use_compile), device) + "\n")
+        release(device)
     mine = fastest(variants, "ours")
     reference = fastest(variants, "specforge")
     record = {

@@ -41,15 +41,17 @@ import zstandard
 from stages.atomic import fsync_path, parquet_bytes
 
 FORMAT = "eagle3-hidden-store/1"
-PLANES_CODEC = "byteplanes+zstd"
+PLANES_CODEC = "top-byte-channel-major+zstd/low-bytes-raw"
 PLAIN_CODEC = "zstd"
 CHECKSUM = "crc32"
 INDEX_NAME = "index.parquet"
 MANIFEST_NAME = "manifest.json"
 LAST_STATES = ("pre_norm", "post_norm")
-# On real SmolLM2 states (benchmarks/storage_cpu.py) level 1 stores byte planes smaller than
-# level 3 and 2-3x faster: LZ matches on the exponent plane cost more than they save.
 DEFAULT_LEVEL = 1
+# The top-byte plane is compressed with the level's settings but short, rarely-found matches:
+# on real SmolLM2 states (benchmarks/storage_cpu.py) its bytes are worth entropy coding, not LZ
+# matching; these settings store it ~5% smaller than plain level 1 and compress ~1.6x faster.
+_TOP_PLANE_OVERRIDES = {"min_match": 6, "hash_log": 6, "chain_log": 6, "window_log": 17}
 # numpy has no bfloat16: callers hand such arrays over as uint16 views and name the real dtype here.
 DEFAULT_DTYPE_NAMES: Mapping[str, str] = {"aux": "bfloat16", "last": "bfloat16"}
 _STORAGE_DTYPES = {"bfloat16": np.dtype("<u2")}
@@ -86,7 +88,7 @@ class ArraySpec:
 
 @dataclass
 class EncodedSample:
-    parts: list[bytes]  # written back to back; kept apart to avoid one more copy of the payload
+    parts: list[bytes | memoryview]  # written back to back; kept apart to avoid one more copy of the payload
     length: int
     checksum: int
     raw_bytes: int
@@ -107,26 +109,37 @@ def storage_dtype(dtype_name: str) -> np.dtype:
 
 
 def uses_planes(dtype_name: str) -> bool:
-    """Floats are split into byte planes: exponent bytes repeat a lot, mantissa bytes barely."""
+    """Floats are split into byte planes: the sign + exponent byte is compressible, the rest is not."""
     return dtype_name in _STORAGE_DTYPES or np.dtype(dtype_name).kind == "f"
 
 
-def to_planes(data: np.ndarray) -> np.ndarray:
-    """Bytes of a little-endian array regrouped as planes, most significant byte first."""
+def compressor(level: int) -> zstandard.ZstdCompressor:
+    """The store's compressor (not thread-safe: one per thread)."""
+    params = zstandard.ZstdCompressionParameters.from_level(level, **_TOP_PLANE_OVERRIDES)
+    return zstandard.ZstdCompressor(compression_params=params)
+
+
+def to_planes(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(top byte plane channel-major, lower bytes) of a little-endian [tokens, ...] float array.
+
+    The top byte (sign + high exponent bits) of a hidden state depends mostly on its channel, so
+    channel-major order lets the entropy coder's per-block tables fit narrower distributions; the
+    lower bytes are mantissa noise that no coder shrinks, so they are stored as they are.
+    """
     k = data.dtype.itemsize
-    return np.ascontiguousarray(data.reshape(-1).view(np.uint8).reshape(-1, k)[:, ::-1].T)
+    as_bytes = data.reshape(len(data), -1).view(np.uint8).reshape(len(data), -1, k)
+    return np.ascontiguousarray(as_bytes[..., k - 1].T), np.ascontiguousarray(as_bytes[..., : k - 1])
 
 
-def from_planes(planes: bytes, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+def from_planes(top: bytes, low: memoryview, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
     """Inverse of to_planes."""
     k = dtype.itemsize
-    n = len(planes) // k
-    out = np.empty(n, dtype)
-    out_bytes = out.view(np.uint8).reshape(n, k)
-    src = np.frombuffer(planes, np.uint8).reshape(k, n)
-    for i in range(k):
-        out_bytes[:, k - 1 - i] = src[i]
-    return out.reshape(shape)
+    tokens = shape[0]
+    out = np.empty(shape, dtype)
+    out_bytes = out.reshape(tokens, -1).view(np.uint8).reshape(tokens, -1, k)
+    out_bytes[..., k - 1] = np.frombuffer(top, np.uint8).reshape(-1, tokens).T
+    out_bytes[..., : k - 1] = np.frombuffer(low, np.uint8).reshape(tokens, -1, k - 1)
+    return out
 
 
 def array_spec(name: str, arr: np.ndarray, dtype_names: Mapping[str, str]) -> ArraySpec:
@@ -148,26 +161,25 @@ def encode_sample(
 ) -> EncodedSample:
     """Compresses one sample into a checksummed blob; `dtypes` maps every array to its dtype name."""
     entries: list[dict[str, Any]] = []
-    payloads: list[bytes] = []
+    payloads: list[bytes | memoryview] = []
     raw_bytes = 0
     for name, arr in arrays.items():
         dtype = dtypes[name]
         data = np.ascontiguousarray(arr, dtype=storage_dtype(dtype))
-        planes = uses_planes(dtype)
-        stored = cctx.compress(to_planes(data) if planes else data)
-        entries.append(
-            {
-                "name": name,
-                "dtype": dtype,
-                "shape": list(data.shape),
-                "codec": PLANES_CODEC if planes else PLAIN_CODEC,
-                "size": len(stored),
-            }
-        )
-        payloads.append(stored)
+        entry = {"name": name, "dtype": dtype, "shape": list(data.shape)}
+        if uses_planes(dtype) and data.size:
+            top, low = to_planes(data)
+            stored_top = cctx.compress(top)
+            entry.update(codec=PLANES_CODEC, top_size=len(stored_top), size=len(stored_top) + low.nbytes)
+            payloads += [stored_top, low.reshape(-1).data]
+        else:
+            stored = cctx.compress(data)
+            entry.update(codec=PLAIN_CODEC, size=len(stored))
+            payloads.append(stored)
+        entries.append(entry)
         raw_bytes += data.nbytes
     header = json.dumps({"id": sample_id, "arrays": entries}).encode()
-    parts = [_HEADER_LEN.pack(len(header)), header, *payloads]
+    parts: list[bytes | memoryview] = [_HEADER_LEN.pack(len(header)), header, *payloads]
     checksum = 0
     for part in parts:
         checksum = zlib.crc32(part, checksum)
@@ -188,15 +200,24 @@ def decode_sample(blob: bytes | memoryview) -> Sample:
     for entry in header["arrays"]:
         name, shape = entry["name"], tuple(entry["shape"])
         dtype = storage_dtype(entry["dtype"])
-        raw = dctx.decompress(view[pos : pos + entry["size"]])
+        stored = view[pos : pos + entry["size"]]
         pos += entry["size"]
-        if len(raw) != dtype.itemsize * int(np.prod(shape)):
-            raise ValueError(f"array {name!r} decodes to {len(raw)} bytes, shape says {shape}")
+        count = int(np.prod(shape))
         if entry["codec"] == PLANES_CODEC:
-            arrays[name] = from_planes(raw, dtype, shape)
-        else:
+            top = dctx.decompress(stored[: entry["top_size"]])
+            low = stored[entry["top_size"] :]
+            if len(top) != count or len(low) != count * (dtype.itemsize - 1):
+                raise ValueError(f"array {name!r} has planes of {len(top)} + {len(low)} bytes, shape says {shape}")
+            arrays[name] = from_planes(top, low, dtype, shape)
+        elif entry["codec"] == PLAIN_CODEC:
+            raw = dctx.decompress(stored) if count else b""
+            if len(raw) != dtype.itemsize * count:
+                raise ValueError(f"array {name!r} decodes to {len(raw)} bytes, shape says {shape}")
             # frombuffer over bytes is read-only; torch wants writable memory
             arrays[name] = np.frombuffer(raw, dtype).reshape(shape).copy()
+        else:
+            raise ValueError(f"array {name!r}: unknown codec {entry['codec']!r} (this reader knows "
+                             f"{PLANES_CODEC!r} and {PLAIN_CODEC!r})")
         dtypes[name] = entry["dtype"]
     if pos != len(view):
         raise ValueError(f"blob has {len(view) - pos} bytes after its last array")
@@ -464,7 +485,7 @@ class ShardWriter:
     def _encode(self, sample_id: str, arrays: dict[str, np.ndarray]) -> EncodedSample:
         cctx = getattr(self._local, "cctx", None)
         if cctx is None:  # compressor objects are not thread-safe: one per thread
-            cctx = self._local.cctx = zstandard.ZstdCompressor(level=self.level)
+            cctx = self._local.cctx = compressor(self.level)
         dtypes = {name: spec.dtype for name, spec in self._stats.schema.items()}
         return encode_sample(sample_id, arrays, dtypes, cctx)
 

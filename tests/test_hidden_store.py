@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -300,3 +302,10 @@ def test_even_split_gives_every_rank_the_same_count() -> None:
     shares = [epoch_rows(21, seed=1, epoch=3, rank=r, world_size=4, even=True) for r in range(4)]
     assert {len(s) for s in shares} == {5}
     assert len(np.unique(np.concatenate(shares))) == 20
+
+
+def test_unknown_codec_is_named() -> None:
+    header = json.dumps({"id": "s0", "arrays": [{"name": "aux", "dtype": "bfloat16", "shape": [1, 2],
+                                                 "codec": "lz4", "size": 0}]}).encode()
+    with pytest.raises(ValueError, match="array 'aux': unknown codec 'lz4'"):
+        hidden_store.decode_sample(struct.pack("<I", len(header)) + header)
