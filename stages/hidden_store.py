@@ -36,6 +36,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import torch
 import zstandard
 
 from stages.atomic import fsync_path, parquet_bytes
@@ -131,14 +132,28 @@ def to_planes(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(as_bytes[..., k - 1].T), np.ascontiguousarray(as_bytes[..., : k - 1])
 
 
-def from_planes(top: bytes, low: memoryview, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
-    """Inverse of to_planes."""
-    k = dtype.itemsize
-    tokens = shape[0]
-    out = np.empty(shape, dtype)
-    out_bytes = out.reshape(tokens, -1).view(np.uint8).reshape(tokens, -1, k)
-    out_bytes[..., k - 1] = np.frombuffer(top, np.uint8).reshape(-1, tokens).T
-    out_bytes[..., : k - 1] = np.frombuffer(low, np.uint8).reshape(tokens, -1, k - 1)
+def from_planes(top: np.ndarray, low: memoryview, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """Inverse of to_planes: `top` is the decoded [channels, tokens] plane (writable), `low` the lower bytes."""
+    k, tokens = dtype.itemsize, shape[0]
+    word = np.dtype(f"<u{k}")
+    # torch's 2-D transpose copy works in cache-sized tiles: ~3x faster than numpy's here
+    out = torch.from_numpy(top.reshape(-1, tokens)).t().contiguous().numpy().astype(word)
+    out <<= 8 * (k - 1)
+    low_bytes = np.frombuffer(low, np.uint8).reshape(tokens, -1, k - 1)
+    for i in range(k - 1):
+        out |= low_bytes[..., i].astype(word) << (8 * i)
+    return out.view(dtype).reshape(shape)
+
+
+def _decompress(dctx: zstandard.ZstdDecompressor, stored: memoryview, size: int, name: str) -> np.ndarray:
+    """The `size` bytes a zstd frame holds, decoded straight into a writable array (torch wants one)."""
+    out = np.empty(size, np.uint8)
+    view, filled = memoryview(out), 0
+    with dctx.stream_reader(stored) as reader:
+        while filled < size and (got := reader.readinto(view[filled:])):
+            filled += got
+        if filled != size or reader.read(1):
+            raise ValueError(f"array {name!r} decodes to more or fewer bytes than its shape's {size}")
     return out
 
 
@@ -204,17 +219,15 @@ def decode_sample(blob: bytes | memoryview) -> Sample:
         pos += entry["size"]
         count = int(np.prod(shape))
         if entry["codec"] == PLANES_CODEC:
-            top = dctx.decompress(stored[: entry["top_size"]])
             low = stored[entry["top_size"] :]
-            if len(top) != count or len(low) != count * (dtype.itemsize - 1):
-                raise ValueError(f"array {name!r} has planes of {len(top)} + {len(low)} bytes, shape says {shape}")
+            if len(low) != count * (dtype.itemsize - 1):
+                raise ValueError(f"array {name!r} has {len(low)} low-plane bytes, shape {shape} says "
+                                 f"{count * (dtype.itemsize - 1)}")
+            top = _decompress(dctx, stored[: entry["top_size"]], count, name)
             arrays[name] = from_planes(top, low, dtype, shape)
         elif entry["codec"] == PLAIN_CODEC:
-            raw = dctx.decompress(stored) if count else b""
-            if len(raw) != dtype.itemsize * count:
-                raise ValueError(f"array {name!r} decodes to {len(raw)} bytes, shape says {shape}")
-            # frombuffer over bytes is read-only; torch wants writable memory
-            arrays[name] = np.frombuffer(raw, dtype).reshape(shape).copy()
+            raw = _decompress(dctx, stored, dtype.itemsize * count, name) if count else np.empty(0, np.uint8)
+            arrays[name] = raw.view(dtype).reshape(shape)
         else:
             raise ValueError(f"array {name!r}: unknown codec {entry['codec']!r} (this reader knows "
                              f"{PLANES_CODEC!r} and {PLAIN_CODEC!r})")
