@@ -13,7 +13,7 @@ steps that include torch.compile's), peak memory of the timed steps (max_memory_
 MFU. MFU counts the same model FLOPs for every implementation, per token:
   fc, forward + backward, once:                        6 * 3*Ht*H
   per TTT step, layer + draft lm_head fwd + bwd:       6 * (layer matmul params + H*Vd)
-  per TTT step, the target head forward:               2 * Ht*Vd
+  the target head forward, once (every step reads the same positions' distributions): 2 * Ht*Vd
 plus attention: 4 * (heads*head_dim) FLOPs per visible key per query forward, x3 with backward;
 at TTT step k query t sees t+1 causal keys and k diagonal ones.
 
@@ -107,7 +107,7 @@ def model_flops(g: Geometry) -> float:
     """Model FLOPs of one training step (see the module docstring)."""
     t, h, q, kv = g.seq, g.hidden, g.heads * g.head_dim, g.kv_heads * g.head_dim
     layer = 2 * h * (q + 2 * kv) + q * h + 3 * h * g.intermediate
-    per_token = 6 * 3 * h * h + g.ttt_steps * (6 * (layer + h * g.draft_vocab) + 2 * h * g.draft_vocab)
+    per_token = 6 * 3 * h * h + g.ttt_steps * 6 * (layer + h * g.draft_vocab) + 2 * h * g.draft_vocab
     visible = sum(t * (t + 1) / 2 + k * t for k in range(g.ttt_steps))
     return t * per_token + 3 * 4 * q * visible
 

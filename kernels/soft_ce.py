@@ -1,23 +1,24 @@
-"""Soft-target cross-entropy over the draft vocabulary, chunked over rows.
+"""Soft-target cross-entropy over the draft vocabulary for all TTT steps, chunked over positions.
 
 The drafter learns the target model's next-token distribution p = softmax(target_hidden @
 target_head.T) (the target's lm_head rows of the draft vocabulary, so p is renormalised over it)
-by minimising CE(p, log_softmax(draft_hidden @ draft_head.T)). With a 32K draft vocabulary and
-tens of thousands of positions per batch (times K TTT steps), the [N, Vd] fp32 logits of both
-models would dominate training memory. So rows are processed in chunks, and the gradients for
-draft_hidden and draft_head (dlogits = mask * (softmax(draft_logits) - p)) are produced in the
-forward pass chunk by chunk: backward only scales them, nothing [N, Vd] is kept, peak extra
-memory is O(chunk_size * Vd), and no logits are recomputed. Rows with mask 0 are skipped.
-Matmuls run in the input (or autocast) dtype, softmax and CE math in fp32; on CUDA the per-row
-softmax / CE / argmax / dlogits work is one Triton kernel, and the draft_head gradient is
-accumulated by cuBLAS directly in fp32.
+by minimising CE(p, log_softmax(draft_hidden @ draft_head.T)), at every TTT step k, where step k
+of anchor t predicts the distribution of column t+k. With a 32K draft vocabulary and tens of
+thousands of positions per batch (times K steps), the [N, Vd] fp32 logits of both models would
+dominate training memory. So positions are processed in chunks: each chunk's target logits are
+computed once and serve all K steps (they are the same positions, shifted), and the gradients
+for the drafter's states and head (dlogits = weight * (softmax(draft_logits) - p), scaled by the
+step's weight in the objective) are produced in the forward pass: backward only scales them,
+nothing [N, Vd] is kept, peak extra memory is O(chunk_size * Vd), no logits are recomputed, and
+the head's gradient of all steps is summed in one fp32 buffer and returned in the master
+weights' dtype. Positions with weight 0 are skipped. Matmuls run in the input (or autocast)
+dtype, softmax and CE math in fp32; on CUDA the per-row softmax / CE / argmax / dlogits work is
+one Triton kernel, and the head gradient is accumulated by cuBLAS directly in fp32.
 
-Measured on an H200 (bf16, N 16384, H 4096, Vd 32000, forward + backward, chunk 1024): 19 ms
-and 1.5 GiB peak with 60% of rows supervised, 33 ms with all rows, against 37 ms and 9.8 GiB
-for the whole-matrix reference; the four matmuls alone take ~22 ms with all rows.
-
-`soft_target_cross_entropy_reference` computes the same with plain autograd over all rows.
+`ttt_soft_cross_entropy_reference` computes the same with plain autograd, one whole step at a time.
 """
+
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -34,68 +35,94 @@ _TRITON_BLOCK = 4096
 _TRITON_WARPS = 8
 
 
-def soft_target_cross_entropy(
-    draft_hidden: Tensor,
+def ttt_soft_cross_entropy(
+    draft_hidden: Sequence[Tensor],
     draft_head: Tensor,
     target_hidden: Tensor,
     target_head: Tensor,
-    mask: Tensor,
+    weight: Tensor,
+    step_scale: Tensor,
     chunk_size: int = 1024,
-) -> tuple[Tensor, Tensor]:
-    """Returns (sum_i mask_i * CE(p_i, q_i), sum_i mask_i * [argmax q_i == argmax p_i]).
+) -> tuple[Tensor, Tensor, Tensor]:
+    """All K TTT steps' soft-target CE: (objective, loss [K], hits [K]).
 
-    draft_hidden [N, H], draft_head [Vd, H] (differentiable); target_hidden [N, Ht] and
-    target_head [Vd, Ht] (no gradient); mask [N] row weights. Both results are fp32 scalars;
-    the second carries no gradient.
+    draft_hidden: K tensors [B, L, H], the drafter's states of step k at anchors t = 0..L-1;
+    draft_head [Vd, H] (differentiable); target_hidden [B, L+K-1, Ht], the states the target's
+    head reads at column j (position j+1), and weight [B, L+K-1] their loss weights (no gradient);
+    step k pairs anchor t with column t+k. loss[k] = sum_t weight * CE(p, q_k), hits[k] = sum_t
+    weight * [argmax q_k == argmax p]; objective = sum_k step_scale[k] * loss[k] carries the
+    gradient, loss and hits carry none. Gradients come back in the inputs' dtypes (fp32 master
+    weights stay fp32: no rounded bf16 gradient is ever formed).
     """
-    _check_shapes(draft_hidden, draft_head, target_hidden, target_head, mask)
-    draft_dtype = _matmul_dtype(draft_hidden, draft_head)
+    steps = len(draft_hidden)
+    _check_shapes(draft_hidden, draft_head, target_hidden, target_head, weight, step_scale)
+    draft_dtype = _matmul_dtype(draft_hidden[0], draft_head)
     target_dtype = _matmul_dtype(target_hidden, target_head)
-    return _ChunkedSoftTargetCE.apply(
-        draft_hidden.to(draft_dtype),
-        draft_head.to(draft_dtype),
+    if not torch.is_grad_enabled():  # a custom Function would still build gradients for leaves that want them
+        draft_head, draft_hidden = draft_head.detach(), [h.detach() for h in draft_hidden]
+    return _ChunkedTTTSoftCE.apply(
+        draft_head,
         target_hidden.detach().to(target_dtype),
         target_head.detach().to(target_dtype),
-        mask.detach().float(),
+        weight.detach().float(),
+        step_scale.detach().float(),
         chunk_size,
+        draft_dtype,
+        steps,
+        *draft_hidden,
     )
 
 
-def soft_target_cross_entropy_reference(
-    draft_hidden: Tensor,
+def ttt_soft_cross_entropy_reference(
+    draft_hidden: Sequence[Tensor],
     draft_head: Tensor,
     target_hidden: Tensor,
     target_head: Tensor,
-    mask: Tensor,
+    weight: Tensor,
+    step_scale: Tensor,
     chunk_size: int = 1024,
-) -> tuple[Tensor, Tensor]:
-    """Same as `soft_target_cross_entropy`, all [N, Vd] logits at once, plain autograd.
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Same as `ttt_soft_cross_entropy`, each step's [B*L, Vd] logits at once, plain autograd.
 
     chunk_size is accepted for a drop-in signature and ignored.
     """
-    _check_shapes(draft_hidden, draft_head, target_hidden, target_head, mask)
-    draft_dtype = _matmul_dtype(draft_hidden, draft_head)
+    _check_shapes(draft_hidden, draft_head, target_hidden, target_head, weight, step_scale)
+    draft_dtype = _matmul_dtype(draft_hidden[0], draft_head)
     target_dtype = _matmul_dtype(target_hidden, target_head)
-    target_logits = (target_hidden.detach().to(target_dtype) @ target_head.detach().to(target_dtype).T).float()
-    draft_logits = (draft_hidden.to(draft_dtype) @ draft_head.to(draft_dtype).T).float()
-    weight = mask.detach().float()
-    p = target_logits.softmax(dim=-1)
-    loss = (weight * -(p * draft_logits.log_softmax(dim=-1)).sum(dim=-1)).sum()
-    hits = (draft_logits.argmax(dim=-1) == target_logits.argmax(dim=-1)).float()
-    return loss, (weight * hits).sum().detach()
+    anchors = draft_hidden[0].shape[1]
+    losses, hits = [], []
+    for k, hidden in enumerate(draft_hidden):
+        target = target_hidden[:, k : k + anchors].detach().to(target_dtype)
+        target_logits = (target @ target_head.detach().to(target_dtype).T).float()
+        draft_logits = (hidden.to(draft_dtype) @ draft_head.to(draft_dtype).T).float()
+        w = weight[:, k : k + anchors].detach().float()
+        p = target_logits.softmax(dim=-1)
+        losses.append((w * -(p * draft_logits.log_softmax(dim=-1)).sum(dim=-1)).sum())
+        hits.append((w * (draft_logits.argmax(dim=-1) == target_logits.argmax(dim=-1)).float()).sum())
+    loss = torch.stack(losses)
+    return (step_scale.detach().float() * loss).sum(), loss.detach(), torch.stack(hits).detach()
 
 
 def _check_shapes(
-    draft_hidden: Tensor, draft_head: Tensor, target_hidden: Tensor, target_head: Tensor, mask: Tensor
+    draft_hidden: Sequence[Tensor], draft_head: Tensor, target_hidden: Tensor, target_head: Tensor, weight: Tensor,
+    step_scale: Tensor,
 ) -> None:
-    n, h = draft_hidden.shape
+    steps = len(draft_hidden)
+    if steps == 0 or any(h.shape != draft_hidden[0].shape for h in draft_hidden) or draft_hidden[0].dim() != 3:
+        raise ValueError(f"draft_hidden: expected K >= 1 tensors of one [B, L, H] shape, got "
+                         f"{[tuple(h.shape) for h in draft_hidden]}")
+    b, anchors, h = draft_hidden[0].shape
     vd = draft_head.shape[0]
     if draft_head.shape != (vd, h):
         raise ValueError(f"draft_head {tuple(draft_head.shape)} does not match hidden size {h}")
-    if target_hidden.shape[0] != n or mask.shape != (n,):
-        raise ValueError(f"rows differ: draft {n}, target {target_hidden.shape[0]}, mask {tuple(mask.shape)}")
-    if target_head.shape != (vd, target_hidden.shape[1]):
-        raise ValueError(f"target_head {tuple(target_head.shape)} != {(vd, target_hidden.shape[1])}")
+    columns = anchors + steps - 1
+    if target_hidden.shape[:2] != (b, columns) or weight.shape != (b, columns):
+        raise ValueError(f"target_hidden {tuple(target_hidden.shape)} and weight {tuple(weight.shape)}: expected "
+                         f"[{b}, {columns}, ...] for {steps} steps over {anchors} anchors")
+    if target_head.shape != (vd, target_hidden.shape[2]):
+        raise ValueError(f"target_head {tuple(target_head.shape)} != {(vd, target_hidden.shape[2])}")
+    if step_scale.shape != (steps,):
+        raise ValueError(f"step_scale {tuple(step_scale.shape)}: expected [{steps}]")
 
 
 def _matmul_dtype(hidden: Tensor, head: Tensor) -> torch.dtype:
@@ -106,13 +133,16 @@ def _matmul_dtype(hidden: Tensor, head: Tensor) -> torch.dtype:
     return torch.promote_types(hidden.dtype, head.dtype)
 
 
-def _chunk_terms(target_logits: Tensor, draft_logits: Tensor, weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(weighted CE sum, weighted hit count) in fp32 and dlogits in the logits' dtype, one chunk."""
+def _chunk_terms(
+    target_logits: Tensor, draft_logits: Tensor, weight: Tensor, grad_scale: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(weighted CE sum, weighted hit count) in fp32 and grad_scale * dlogits in the logits' dtype,
+    one chunk; grad_scale is a one-element tensor."""
     p = target_logits.float().softmax(dim=-1)
     log_q = draft_logits.float().log_softmax(dim=-1)
     loss = (weight * -(p * log_q).sum(dim=-1)).sum()
     hits = (weight * (draft_logits.argmax(dim=-1) == target_logits.argmax(dim=-1)).float()).sum()
-    dlogits = weight[:, None] * (log_q.exp() - p)
+    dlogits = (weight * grad_scale)[:, None] * (log_q.exp() - p)
     return loss, hits, dlogits.to(draft_logits.dtype)
 
 
@@ -120,7 +150,7 @@ if triton is not None:
 
     @triton.jit
     def _soft_ce_rows_kernel(
-        target_ptr, draft_ptr, weight_ptr, dlogits_ptr, loss_ptr, hit_ptr,
+        target_ptr, draft_ptr, weight_ptr, scale_ptr, dlogits_ptr, loss_ptr, hit_ptr,
         vocab, target_stride, draft_stride, dlogits_stride, BLOCK: tl.constexpr,
     ):
         # One program per row. Pass 1: online max / sum-exp and argmax of both logit rows.
@@ -152,8 +182,9 @@ if triton is not None:
             d_max = d_new
         t_lse = t_max + tl.log(t_sum)
         d_lse = d_max + tl.log(d_sum)
-        # Pass 2: CE = -sum p * log q, and dlogits = w * (q - p), written once.
+        # Pass 2: CE = -sum p * log q, and dlogits = scale * w * (q - p), written once.
         w = tl.load(weight_ptr + row)
+        grad_w = w * tl.load(scale_ptr)
         dlogits_row = dlogits_ptr + row * dlogits_stride
         cross = 0.0
         for start in range(0, vocab, BLOCK):
@@ -164,13 +195,15 @@ if triton is not None:
             p = tl.exp(t - t_lse)
             log_q = d - d_lse
             cross += tl.sum(p * log_q, axis=0)
-            grad = w * (tl.exp(log_q) - p)
+            grad = grad_w * (tl.exp(log_q) - p)
             tl.store(dlogits_row + idx, grad.to(dlogits_ptr.dtype.element_ty), mask=inside)
         tl.store(loss_ptr + row, -w * cross)
         tl.store(hit_ptr + row, tl.where(t_arg == d_arg, w, 0.0))
 
 
-def _chunk_terms_triton(target_logits: Tensor, draft_logits: Tensor, weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _chunk_terms_triton(
+    target_logits: Tensor, draft_logits: Tensor, weight: Tensor, grad_scale: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
     """`_chunk_terms` on CUDA in one kernel reading each logit twice and writing dlogits once.
 
     (torch.compile of `_chunk_terms` made several passes per row: 0.77 ms per 1024 x 32000 bf16
@@ -181,7 +214,7 @@ def _chunk_terms_triton(target_logits: Tensor, draft_logits: Tensor, weight: Ten
     row_loss = torch.empty(rows, dtype=torch.float32, device=draft_logits.device)
     row_hit = torch.empty_like(row_loss)
     _soft_ce_rows_kernel[(rows,)](
-        target_logits, draft_logits, weight, dlogits, row_loss, row_hit,
+        target_logits, draft_logits, weight, grad_scale, dlogits, row_loss, row_hit,
         vocab, target_logits.stride(0), draft_logits.stride(0), dlogits.stride(0),
         BLOCK=_TRITON_BLOCK, num_warps=_TRITON_WARPS,
     )
@@ -198,49 +231,78 @@ def _accumulate_matmul(acc: Tensor, a: Tensor, b: Tensor) -> None:
         acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
 
 
-class _ChunkedSoftTargetCE(torch.autograd.Function):
+class _ChunkedTTTSoftCE(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx,
-        draft_hidden: Tensor,
         draft_head: Tensor,
         target_hidden: Tensor,
         target_head: Tensor,
         weight: Tensor,
+        step_scale: Tensor,
         chunk_size: int,
-    ) -> tuple[Tensor, Tensor]:
-        need_hidden_grad, need_head_grad = ctx.needs_input_grad[:2]
-        loss = torch.zeros((), dtype=torch.float32, device=draft_hidden.device)
-        hits = torch.zeros((), dtype=torch.float32, device=draft_hidden.device)
-        grad_hidden = torch.zeros_like(draft_hidden) if need_hidden_grad else None
+        draft_dtype: torch.dtype,
+        steps: int,
+        *draft_hidden: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        need_head_grad = ctx.needs_input_grad[0]
+        need_hidden_grad = ctx.needs_input_grad[8:]
+        batch, anchors, _ = draft_hidden[0].shape
+        columns = target_hidden.shape[1]
+        device = draft_head.device
+        head = draft_head.to(draft_dtype)
+        hidden = [h.to(draft_dtype).flatten(0, 1) for h in draft_hidden]
+        targets = target_hidden.flatten(0, 1)
+        weights = weight.flatten()
+        losses = torch.zeros(steps, dtype=torch.float32, device=device)
+        hits = torch.zeros(steps, dtype=torch.float32, device=device)
+        # One spare last row takes the (zero) gradients of pairs whose anchor lies outside the sample.
+        grad_hidden = [torch.zeros(batch * anchors + 1, h.shape[1], dtype=draft_dtype, device=device) if need else None
+                       for h, need in zip(hidden, need_hidden_grad)]
         # fp32 so that summing many chunks' contributions does not round away small ones.
-        grad_head = torch.zeros(draft_head.shape, dtype=torch.float32, device=draft_head.device) if need_head_grad else None
-        # Unsupervised rows contribute nothing to loss, hits or gradients: skip their matmuls
+        grad_head = torch.zeros(draft_head.shape, dtype=torch.float32, device=device) if need_head_grad else None
+        # Unsupervised columns contribute nothing to loss, hits or gradients: skip their matmuls
         # (worth the one host sync nonzero() costs: prompt rows are often half of a batch).
-        rows = weight.nonzero().squeeze(1)
-        chunk_terms = _chunk_terms_triton if draft_hidden.is_cuda else _chunk_terms
-        for start in range(0, rows.numel(), chunk_size):
-            idx = rows[start : start + chunk_size]
-            hidden = draft_hidden[idx]
-            chunk_loss, chunk_hits, dlogits = chunk_terms(
-                target_hidden[idx] @ target_head.T, hidden @ draft_head.T, weight[idx]
-            )
-            loss += chunk_loss
-            hits += chunk_hits
-            if need_hidden_grad:
-                grad_hidden[idx] = dlogits @ draft_head
-            if need_head_grad:
-                _accumulate_matmul(grad_head, dlogits.T, hidden)
-        ctx.save_for_backward(grad_hidden, grad_head)
-        ctx.head_dtype = draft_head.dtype
-        ctx.mark_non_differentiable(hits)
-        return loss, hits
+        supervised = weights.nonzero().squeeze(1)
+        chunk_terms = _chunk_terms_triton if device.type == "cuda" else _chunk_terms
+        for start in range(0, supervised.numel(), chunk_size):
+            cols = supervised[start : start + chunk_size]
+            # The target's distribution at these columns, computed once for all K steps.
+            target_logits = targets[cols] @ target_head.T
+            row, col = cols // columns, cols % columns
+            for k in range(steps):
+                anchor = col - k
+                inside = (anchor >= 0) & (anchor < anchors)
+                read = row * anchors + anchor.clamp(0, anchors - 1)
+                pair_hidden = hidden[k][read]
+                # dlogits come scaled by step_scale[k]: one fp32 head gradient sums all steps
+                step_loss, step_hits, dlogits = chunk_terms(
+                    target_logits, pair_hidden @ head.T, weights[cols] * inside, step_scale[k : k + 1]
+                )
+                losses[k] += step_loss
+                hits[k] += step_hits
+                if grad_hidden[k] is not None:
+                    grad_hidden[k][torch.where(inside, read, batch * anchors)] = dlogits @ head
+                if need_head_grad:
+                    _accumulate_matmul(grad_head, dlogits.T, pair_hidden)
+        ctx.save_for_backward(grad_head, *[g for g in grad_hidden if g is not None])
+        ctx.layout = (draft_head.dtype, [(h.dtype, h.shape, g is not None) for h, g in zip(draft_hidden, grad_hidden)])
+        objective = (losses * step_scale).sum()
+        ctx.mark_non_differentiable(losses, hits)
+        return objective, losses, hits
 
     @staticmethod
-    def backward(ctx, grad_loss: Tensor, grad_hits: Tensor):
-        grad_hidden, grad_head = ctx.saved_tensors
-        if grad_hidden is not None:
-            grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
+    def backward(ctx, grad_objective: Tensor, _grad_losses: Tensor, _grad_hits: Tensor):
+        head_dtype, layout = ctx.layout
+        grad_head, *saved = ctx.saved_tensors
         if grad_head is not None:
-            grad_head = (grad_head * grad_loss).to(ctx.head_dtype)
-        return grad_hidden, grad_head, None, None, None, None
+            grad_head = (grad_head * grad_objective).to(head_dtype)
+        saved_iter = iter(saved)
+        grad_hidden = []
+        for dtype, shape, present in layout:
+            if present:
+                grad = next(saved_iter)[:-1]
+                grad_hidden.append((grad * grad_objective.to(grad.dtype)).to(dtype).view(shape))
+            else:
+                grad_hidden.append(None)
+        return grad_head, None, None, None, None, None, None, None, *grad_hidden

@@ -46,7 +46,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from transformers import PretrainedConfig
 
-from kernels.soft_ce import soft_target_cross_entropy
+from kernels.soft_ce import ttt_soft_cross_entropy
 from stages.atomic import atomic_write_text
 from stages.checkpoint import WEIGHT_DTYPES, CheckpointError, load_drafter, save_drafter, validate, vocab_map_defects
 from stages.drafter import Drafter, DrafterConfig
@@ -349,23 +349,13 @@ class DraftLoss(nn.Module):
     def forward(self, batch: Batch, step_scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(sum_k step_scale[k] * loss_k, loss_k [K], hits_k [K]): loss_k and hits_k are sums over
         rows weighted by their loss weight; a hit is a draft argmax equal to the target's."""
-        steps = [batch.step(k) for k in range(self.ttt_steps)]
-        embeds = [self.drafter.embed(ids, self.teacher.embed) for ids, _, _ in steps]
+        embeds = [self.drafter.embed(batch.step(k)[0], self.teacher.embed) for k in range(self.ttt_steps)]
         positions = torch.arange(batch.anchors, device=batch.aux.device)  # step k adds k itself
         hidden = self.drafter(batch.aux, embeds, positions)
-        # Under no_grad (evaluation) soft_ce would still build the head's gradient for a leaf that wants one.
-        head = self.drafter.lm_head.weight if torch.is_grad_enabled() else self.drafter.lm_head.weight.detach()
-        losses, hits = [], []
-        for h, (_, last, weight) in zip(hidden, steps):
-            with torch.no_grad():
-                target = self.teacher.states(last)
-            loss, hit = soft_target_cross_entropy(
-                h.flatten(0, 1), head, target.flatten(0, 1), self.teacher.head, weight.flatten(), self.chunk_size
-            )
-            losses.append(loss)
-            hits.append(hit)
-        losses_t, hits_t = torch.stack(losses), torch.stack(hits)
-        return (losses_t * step_scale).sum(), losses_t.detach(), hits_t
+        with torch.no_grad():
+            target = self.teacher.states(batch.next_last)
+        return ttt_soft_cross_entropy(hidden, self.drafter.lm_head.weight, target, self.teacher.head,
+                                      batch.next_weight, step_scale, self.chunk_size)
 
 
 def lr_at(step: int, total: int, params: TrainParams) -> float:

@@ -7,7 +7,7 @@ Runs on CPU everywhere; where CUDA is present the same tests also run the CUDA p
 import pytest
 import torch
 
-from kernels.soft_ce import soft_target_cross_entropy, soft_target_cross_entropy_reference
+from kernels.soft_ce import ttt_soft_cross_entropy, ttt_soft_cross_entropy_reference
 from kernels.ttt_attention import ttt_attention, ttt_attention_reference
 
 # The CUDA path must run the compiled kernel: fail, don't pass slowly, if flex_attention falls
@@ -125,72 +125,97 @@ def test_ttt_attention_rejects_bad_shapes():
 # ---------------------------------------------------------------- soft-target CE
 
 
-def _ce_inputs(n, h, ht, vd, dtype, device, seed=0, zero_rows=0.3):
+def _ce_inputs(b, anchors, steps, h, ht, vd, dtype, device, seed=0, zero_cols=0.3):
+    """(draft_hidden K x [B, L, H], draft_head, target_hidden [B, L+K-1, Ht], target_head, weight, step_scale)."""
     g = torch.Generator().manual_seed(seed)
-    draft_hidden = _leaf((n, h), dtype, device, g)
+    columns = anchors + steps - 1
+    draft_hidden = [_leaf((b, anchors, h), dtype, device, g) for _ in range(steps)]
     draft_head = _leaf((vd, h), dtype, device, g, scale=h**-0.5 * 3)
-    target_hidden = torch.randn(n, ht, generator=g).to(device, dtype)
+    target_hidden = torch.randn(b, columns, ht, generator=g).to(device, dtype)
     target_head = (torch.randn(vd, ht, generator=g) * ht**-0.5 * 3).to(device, dtype)
-    mask = torch.rand(n, generator=g) * 2
-    mask[torch.rand(n, generator=g) < zero_rows] = 0
-    return draft_hidden, draft_head, target_hidden, target_head, mask.to(device)
+    weight = torch.rand(b, columns, generator=g) * 2
+    weight[torch.rand(b, columns, generator=g) < zero_cols] = 0
+    step_scale = torch.tensor([0.8**k / (k + 2) for k in range(steps)])
+    return draft_hidden, draft_head, target_hidden, target_head, weight.to(device), step_scale.to(device)
+
+
+def _leaves(args):
+    return [*args[0], args[1]]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n,chunk", [(1, 64), (37, 64), (300, 64), (300, 1024)])
-def test_soft_ce_matches_reference(device, dtype, n, chunk):
+@pytest.mark.parametrize("b,anchors,steps,chunk", [(1, 1, 1, 64), (1, 37, 3, 64), (2, 150, 1, 64), (2, 150, 3, 64),
+                                                   (3, 100, 4, 1024)])
+def test_soft_ce_matches_reference(device, dtype, b, anchors, steps, chunk):
     fwd_tol, grad_tol = TOLERANCE[dtype]
-    draft_hidden, draft_head, target_hidden, target_head, mask = _ce_inputs(n, 32, 48, 500, dtype, device, seed=n)
-    args = (draft_hidden, draft_head, target_hidden, target_head, mask)
-    loss, correct = soft_target_cross_entropy(*args, chunk_size=chunk)
-    ref_loss, ref_correct = soft_target_cross_entropy_reference(*args)
-    assert loss.dtype == torch.float32 and loss.shape == () and not correct.requires_grad
+    args = _ce_inputs(b, anchors, steps, 32, 48, 500, dtype, device, seed=anchors + steps)
+    objective, loss, hits = ttt_soft_cross_entropy(*args, chunk_size=chunk)
+    ref_objective, ref_loss, ref_hits = ttt_soft_cross_entropy_reference(*args)
+    assert objective.dtype == loss.dtype == torch.float32 and objective.shape == () and loss.shape == (steps,)
+    assert not loss.requires_grad and not hits.requires_grad
+    torch.testing.assert_close(objective, ref_objective, rtol=fwd_tol, atol=fwd_tol)
     torch.testing.assert_close(loss, ref_loss, rtol=fwd_tol, atol=fwd_tol)
     if dtype == torch.bfloat16:
         # Chunked and whole matmuls may round differently; a near-tie argmax may flip.
-        assert abs(correct.item() - ref_correct.item()) <= 2.0 + 1e-6
+        assert (hits - ref_hits).abs().max().item() <= 2.0 + 1e-6
     else:
-        torch.testing.assert_close(correct, ref_correct, rtol=0, atol=1e-5)
+        torch.testing.assert_close(hits, ref_hits, rtol=0, atol=1e-5)
     upstream = torch.tensor(0.7, device=device)
-    for got, want in zip(_grads(loss, [draft_hidden, draft_head], upstream), _grads(ref_loss, [draft_hidden, draft_head], upstream)):
+    for got, want in zip(_grads(objective, _leaves(args), upstream), _grads(ref_objective, _leaves(args), upstream)):
         assert got.dtype == dtype
         torch.testing.assert_close(got.float(), want.float(), rtol=grad_tol, atol=grad_tol)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_soft_ce_masked_rows_get_zero_gradient(device):
-    draft_hidden, draft_head, target_hidden, target_head, mask = _ce_inputs(
-        100, 16, 16, 200, torch.float32, device, zero_rows=0.0
-    )
-    mask[::2] = 0
-    loss, _ = soft_target_cross_entropy(draft_hidden, draft_head, target_hidden, target_head, mask, chunk_size=16)
-    grad_hidden, grad_head = torch.autograd.grad(loss, [draft_hidden, draft_head])
-    assert torch.count_nonzero(grad_hidden[::2]) == 0
-    assert torch.count_nonzero(grad_hidden[1::2].abs().sum(dim=1)) == 50
-    # Masked rows neither count in the loss nor move the head: only supervised rows matter.
-    kept = mask != 0
-    sub_loss, _ = soft_target_cross_entropy(
-        draft_hidden[kept], draft_head, target_hidden[kept], target_head, mask[kept], chunk_size=16
-    )
-    torch.testing.assert_close(loss, sub_loss, rtol=1e-6, atol=1e-5)
-    torch.testing.assert_close(grad_head, torch.autograd.grad(sub_loss, draft_head)[0], rtol=1e-5, atol=1e-6)
+def test_soft_ce_pairs_anchor_t_of_step_k_with_column_t_plus_k():
+    # Hand-built: with one supervised column j, only anchor j-k of each step k learns, and
+    # step k's loss is the CE against column j's distribution.
+    anchors, steps = 5, 3
+    args = _ce_inputs(1, anchors, steps, 8, 8, 40, torch.float32, "cpu", zero_cols=0.0)
+    weight = torch.zeros(1, anchors + steps - 1)
+    weight[0, 4] = 1.0
+    args = (*args[:4], weight, args[5])
+    objective, loss, _ = ttt_soft_cross_entropy(*args, chunk_size=2)
+    grads = torch.autograd.grad(objective, args[0])
+    for k, grad in enumerate(grads):
+        learning = grad[0].abs().sum(dim=1).nonzero().flatten().tolist()
+        assert learning == [4 - k]
+        p = (args[2][0, 4] @ args[3].T).softmax(-1)
+        q = (args[0][k][0, 4 - k] @ args[1].T).log_softmax(-1)
+        torch.testing.assert_close(loss[k], -(p * q).sum().detach())
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_soft_ce_all_rows_masked(device):
-    args = _ce_inputs(10, 8, 8, 50, torch.float32, device, zero_rows=1.0)
-    loss, correct = soft_target_cross_entropy(*args)
-    assert loss.item() == 0 and correct.item() == 0
-    grad_hidden, grad_head = torch.autograd.grad(loss, args[:2])
-    assert torch.count_nonzero(grad_hidden) == 0 and torch.count_nonzero(grad_head) == 0
+def test_soft_ce_masked_columns_get_zero_gradient(device):
+    args = _ce_inputs(2, 60, 3, 16, 16, 200, torch.float32, device, zero_cols=0.0)
+    args[4][:, ::2] = 0
+    objective, loss, _ = ttt_soft_cross_entropy(*args, chunk_size=16)
+    grads = torch.autograd.grad(objective, _leaves(args))
+    for k, grad in enumerate(grads[:-1]):
+        # anchor t of step k reads column t+k: zero-weight columns give zero gradient
+        dead = args[4][:, k : k + 60] == 0
+        assert torch.count_nonzero(grad[dead]) == 0
+        assert torch.count_nonzero(grad[~dead].abs().sum(dim=-1)) == int((~dead).sum())
+    # Columns of weight 0 neither count in the loss nor move the head.
+    ref_objective, ref_loss, _ = ttt_soft_cross_entropy_reference(*args)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads[-1], torch.autograd.grad(ref_objective, args[1])[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_soft_ce_all_columns_masked(device):
+    args = _ce_inputs(1, 10, 2, 8, 8, 50, torch.float32, device, zero_cols=1.0)
+    objective, loss, hits = ttt_soft_cross_entropy(*args)
+    assert objective.item() == 0 and loss.abs().sum().item() == 0 and hits.sum().item() == 0
+    for grad in torch.autograd.grad(objective, _leaves(args)):
+        assert torch.count_nonzero(grad) == 0
 
 
 def test_soft_ce_keeps_nothing_of_size_n_by_vocab_for_backward():
-    # Everything autograd keeps for backward, recorded at save time: only O(N*H + Vd*H) tensors
+    # Everything autograd keeps for backward, recorded at save time: only O(K*N*H + Vd*H) tensors
     # (the precomputed input gradients), never the [N, Vd] logits or probabilities.
-    n, h, vd = 512, 16, 1000
-    args = _ce_inputs(n, h, h, vd, torch.float32, "cpu", zero_rows=0.0)
+    n, steps, h, vd = 512, 2, 16, 1000
+    args = _ce_inputs(1, n, steps, h, h, vd, torch.float32, "cpu", zero_cols=0.0)
     saved = []
 
     def pack(tensor):
@@ -198,41 +223,40 @@ def test_soft_ce_keeps_nothing_of_size_n_by_vocab_for_backward():
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        loss, _ = soft_target_cross_entropy(*args, chunk_size=64)
-    assert saved and max(saved) <= max(n, vd) * h
-    assert sum(saved) <= (n + vd) * h < n * vd // 10
+        objective, _, _ = ttt_soft_cross_entropy(*args, chunk_size=64)
+    assert saved and max(saved) <= max(n + 1, vd) * h
+    assert sum(saved) <= (steps * (n + 1) + vd) * h < n * vd // 10
     # The reference, by contrast, does keep [N, Vd] tensors: the hook sees them.
     saved.clear()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        soft_target_cross_entropy_reference(*args)
+        ttt_soft_cross_entropy_reference(*args)
     assert max(saved) >= n * vd
-    loss.backward()
+    objective.backward()
 
 
 def test_soft_ce_gradient_only_for_inputs_that_need_it():
-    draft_hidden, draft_head, target_hidden, target_head, mask = _ce_inputs(40, 8, 8, 30, torch.float32, "cpu")
-    hidden = draft_hidden.detach()
-    loss, _ = soft_target_cross_entropy(hidden, draft_head, target_hidden, target_head, mask, chunk_size=16)
-    ref_loss, _ = soft_target_cross_entropy_reference(hidden, draft_head, target_hidden, target_head, mask)
-    torch.testing.assert_close(
-        torch.autograd.grad(loss, draft_head)[0], torch.autograd.grad(ref_loss, draft_head)[0], rtol=1e-5, atol=1e-6
-    )
+    draft_hidden, *rest = _ce_inputs(1, 40, 2, 8, 8, 30, torch.float32, "cpu")
+    detached = [h.detach() for h in draft_hidden]
+    objective, _, _ = ttt_soft_cross_entropy(detached, *rest, chunk_size=16)
+    ref_objective, _, _ = ttt_soft_cross_entropy_reference(detached, *rest)
+    torch.testing.assert_close(torch.autograd.grad(objective, rest[0])[0],
+                               torch.autograd.grad(ref_objective, rest[0])[0], rtol=1e-5, atol=1e-6)
     with torch.no_grad():
-        loss, _ = soft_target_cross_entropy(draft_hidden, draft_head, target_hidden, target_head, mask)
-    assert not loss.requires_grad
+        objective, _, _ = ttt_soft_cross_entropy(draft_hidden, *rest)
+    assert not objective.requires_grad
 
 
 def test_soft_ce_under_autocast_uses_bf16_matmuls_and_fp32_master_grads():
-    args = _ce_inputs(70, 16, 24, 300, torch.float32, "cpu")
+    args = _ce_inputs(1, 70, 2, 16, 24, 300, torch.float32, "cpu")
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss, correct = soft_target_cross_entropy(*args, chunk_size=32)
-        ref_loss, _ = soft_target_cross_entropy_reference(*args)
-    bf16_args = [a.detach().bfloat16() for a in args[:4]] + [args[4]]
-    bf16_loss, _ = soft_target_cross_entropy_reference(*bf16_args)
-    torch.testing.assert_close(loss, bf16_loss, rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-2, atol=1e-2)
-    grads = torch.autograd.grad(loss, args[:2])
-    ref_grads = torch.autograd.grad(ref_loss, args[:2])
+        objective, _, _ = ttt_soft_cross_entropy(*args, chunk_size=32)
+        ref_objective, _, _ = ttt_soft_cross_entropy_reference(*args)
+    bf16_args = ([h.detach().bfloat16() for h in args[0]], *[a.detach().bfloat16() for a in args[1:4]], *args[4:])
+    bf16_objective, _, _ = ttt_soft_cross_entropy_reference(*bf16_args)
+    torch.testing.assert_close(objective, bf16_objective, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(objective, ref_objective, rtol=1e-2, atol=1e-2)
+    grads = torch.autograd.grad(objective, _leaves(args))
+    ref_grads = torch.autograd.grad(ref_objective, _leaves(args))
     for got, want in zip(grads, ref_grads):
         assert got.dtype == torch.float32
         torch.testing.assert_close(got, want, rtol=5e-2, atol=5e-2)
@@ -251,7 +275,7 @@ def test_soft_ce_cuda_row_kernel_matches_torch(dtype):
     target[2, 5] = draft[2, 5] = draft[2, 9000] = 100  # a tie: the first index wins, a hit
     weight = torch.rand(rows, generator=g)
     weight[::3] = 0
-    args = (target.to("cuda", dtype), draft.to("cuda", dtype), weight.cuda())
+    args = (target.to("cuda", dtype), draft.to("cuda", dtype), weight.cuda(), torch.tensor([0.3], device="cuda"))
     loss, hits, dlogits = _chunk_terms_triton(*args)
     want_loss, want_hits, want_dlogits = _chunk_terms(*args)
     torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-4)
@@ -262,17 +286,17 @@ def test_soft_ce_cuda_row_kernel_matches_torch(dtype):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="peak memory is measured on CUDA")
 def test_soft_ce_peak_memory_is_per_chunk():
-    n, h, vd, chunk = 16384, 256, 32000, 1024
-    args = _ce_inputs(n, h, h, vd, torch.bfloat16, "cuda", zero_rows=0.0)
-    soft_target_cross_entropy(*args, chunk_size=chunk)[0].backward()  # compile outside the measurement
+    n, steps, h, vd, chunk = 16384, 2, 256, 32000, 1024
+    args = _ce_inputs(1, n, steps, h, h, vd, torch.bfloat16, "cuda", zero_cols=0.0)
+    ttt_soft_cross_entropy(*args, chunk_size=chunk)[0].backward()  # compile outside the measurement
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    loss, _ = soft_target_cross_entropy(*args, chunk_size=chunk)
-    loss.backward()
+    objective, _, _ = ttt_soft_cross_entropy(*args, chunk_size=chunk)
+    objective.backward()
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - before
-    # Gradients and their fp32 accumulator are O((N + Vd) * H); the rest must be a few
+    # Gradients and their fp32 accumulator are O((K*N + Vd) * H); the rest must be a few
     # [chunk, Vd] buffers. One fp32 [N, Vd] tensor alone would be 2 GB here.
-    per_chunk_budget = 6 * chunk * vd * 4 + 4 * (n + vd) * h * 4
+    per_chunk_budget = 6 * chunk * vd * 4 + 4 * (steps * n + vd) * h * 4
     assert extra < per_chunk_budget < n * vd * 4 // 2, (extra, per_chunk_budget)
