@@ -115,11 +115,12 @@ def store_for(model, capture: Capture, template: list[Sample], writer: ShardWrit
     return tokens
 
 
-def reader_tokens_per_s(store: HiddenStore, workers: int, seconds: float, ttt_steps: int, seq: int) -> float:
+def reader_tokens_per_s(store: HiddenStore, workers: int, seconds: float, ttt_steps: int, seq: int,
+                        pin: bool = True) -> float:
     """Tokens/s the train stage's loader decodes and collates from `store`, over whole batches."""
     order = np.random.default_rng(0).permutation(len(store))
     loader = batch_loader(store, [[int(row)] for row in order], ttt_steps=ttt_steps, max_seq_len=seq,
-                          prompt_loss_weight=1.0, num_workers=workers, pin_memory=torch.cuda.is_available())
+                          prompt_loss_weight=1.0, num_workers=workers, pin_memory=pin and torch.cuda.is_available())
     batches = iter(loader)
     next(batches)  # workers started and their prefetch queues filling, outside the window
     start, tokens = time.perf_counter(), 0
@@ -205,6 +206,9 @@ def main() -> None:
     reader_workers = args.reader_workers or max(1, (os.cpu_count() or 2) - 4)
     results["reader_tokens_per_s_1_worker"] = reader_tokens_per_s(store, 1, args.seconds, args.ttt_steps, seq)
     results["reader_tokens_per_s"] = reader_tokens_per_s(store, reader_workers, args.seconds, args.ttt_steps, seq)
+    # The same without pinning: what the workers deliver when the main process's pin-memory copy is left out
+    results["reader_unpinned_tokens_per_s"] = reader_tokens_per_s(store, reader_workers, args.seconds, args.ttt_steps,
+                                                                  seq, pin=False)
     if TRAIN_RESULT.exists() and not args.tiny:  # the trainer's rate at 8B geometry
         trainer = json.loads(TRAIN_RESULT.read_text())["ours_tokens_per_s"]
         results["reader_over_trainer"] = results["reader_tokens_per_s"] / trainer
