@@ -56,7 +56,8 @@ class EvaluateParams:
     turns: int = 2  # turns per question; turn 2 continues the model's own first answer
     offline: bool = True
     online: bool = True
-    concurrency: int = 8
+    concurrency: int = 8  # requests in flight for the throughput figure
+    answer_concurrency: int = 40  # requests in flight while vLLM answers the questions (acceptance)
     offline_batch_size: int = 40  # prompts per batched greedy generate (offline, T=0)
     throughput_prompts: int = 8  # prompts timed at batch 1 and at `concurrency`, with and without the drafter
     measure_baseline: bool = True  # also serve the target alone for the throughput comparison
@@ -230,7 +231,7 @@ def online_eval(params: EvaluateParams, record: dict, items: list[dict],
     state = serve(params, record, speculative=True, paths=paths)
     try:
         before = scrape(state.url)
-        asyncio.run(answer_all(state.url, items, params, params.concurrency))
+        asyncio.run(answer_all(state.url, items, params, params.answer_concurrency))
         after = scrape(state.url)
         with_drafter = throughput(state.url, items, params)
     finally:

@@ -118,6 +118,14 @@ class Capture:
             self.outputs[name] = output[0] if isinstance(output, tuple) else output
         return hook
 
+    def take(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(aux states concatenated in layer order [..., n*H], last state [..., H]) of the last
+        forward; forgets them, so the next forward's tensors are the only ones kept."""
+        aux = torch.cat([self.outputs[n] for n in self.names[:-1]], dim=-1)
+        last = self.outputs["last"]
+        self.outputs.clear()
+        return aux, last
+
 
 def pad_batch(batch: list[Sample], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     longest = len(batch[0].input_ids)
@@ -134,9 +142,7 @@ def forward_batch(model: Any, capture: Capture, batch: list[Sample], device: tor
     ids, mask = pad_batch(batch, device)
     with torch.inference_mode():
         model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False)
-        aux = torch.cat([capture.outputs[n] for n in capture.names[:-1]], dim=-1).to(torch.bfloat16)
-        last = capture.outputs["last"].to(torch.bfloat16)
-    capture.outputs.clear()
+        aux, last = (state.to(torch.bfloat16) for state in capture.take())
     if device.type != "cuda":
         return aux, last, None
     host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (aux, last)]

@@ -48,9 +48,7 @@ class SpecDecoder:
     def target_forward(self, ids: list[int], cache) -> tuple[Tensor, Tensor]:
         """(logits [n, V] in fp32, aux states [n, n_aux*Ht]) of the new positions."""
         out = self.target(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
-        aux = torch.cat([self.capture.outputs[n] for n in self.capture.names[:-1]], dim=-1)[0]
-        self.capture.outputs.clear()
-        return out.logits[0].float(), aux
+        return out.logits[0].float(), self.capture.take()[0][0]
 
     def probs(self, logits: Tensor) -> Tensor:
         if self.temperature == 0:
@@ -102,8 +100,7 @@ class SpecDecoder:
             raise ValueError("replay is exact only at temperature 0; use generate")
         tokens = list(prompt_ids) + list(continuation)
         self.target.get_decoder()(input_ids=torch.tensor([tokens]), use_cache=False)
-        aux = torch.cat([self.capture.outputs[n] for n in self.capture.names[:-1]], dim=-1)[0]
-        self.capture.outputs.clear()
+        aux = self.capture.take()[0][0]
         stats = DecodeStats(accepted_per_pos=[0] * self.k)
         n, i, prefix = len(prompt_ids), 0, None  # continuation[i] is the token the next round starts from
         while i + 1 < stop:
