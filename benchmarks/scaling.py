@@ -159,8 +159,9 @@ def main() -> None:
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="eagle3-scaling-", dir=args.workdir))
-    common = ["--seconds", str(args.seconds), *(["--tiny"] if args.tiny else [])]
-    extra = {"extract": ["--workdir", str(work)], "train": ["--no-compile"] if args.no_compile else []}
+    common = ["--seconds", str(args.seconds)]
+    extra = {"extract": ["--workdir", str(work), *(["--tiny"] if args.tiny else [])],
+             "train": [*(["--no-compile"] if args.no_compile else []), *(["--geometry", "tiny"] if args.tiny else [])]}
     disk = disk_probe(work, args.disk_probe_gb, args.procs) if args.disk_probe_gb > 0 else None
     record: dict[str, Any] = {
         "command": " ".join(sys.argv),

@@ -18,7 +18,8 @@ plus attention: 4 * (heads*head_dim) FLOPs per visible key per query forward, x3
 at TTT step k query t sees t+1 causal keys and k diagonal ones.
 
   python benchmarks/train_bench.py --out benchmarks/results/train-h200.json --specforge ~/SpecForge
-  python benchmarks/train_bench.py --tiny --seconds 2                           (CPU smoke run)
+  python benchmarks/train_bench.py --geometry tiny --seconds 2                  (CPU smoke run)
+  python benchmarks/train_bench.py --geometry kimi-k2.5 --no-compile             (does it fit one GPU?)
 
 Under torchrun (`torchrun --nproc_per_node N benchmarks/train_bench.py`) only ours runs, as the
 train stage runs on N GPUs: its train_step on a DistributedDataParallel DraftLoss, one random
@@ -101,6 +102,10 @@ class Geometry:
 
 
 TINY = Geometry(hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=512, draft_vocab=128, seq=128)
+# Kimi-K2.5's drafter (profiles/targets/kimi-k2.5.yaml): ~1B trainable parameters, the size where one
+# asks whether the drafter and its AdamW state still fit one GPU without FSDP.
+KIMI = Geometry(hidden=7168, intermediate=18432, heads=64, kv_heads=64, vocab=163840)
+GEOMETRIES = {"llama-3.1-8b": Geometry(), "kimi-k2.5": KIMI, "tiny": TINY}
 
 
 def model_flops(g: Geometry) -> float:
@@ -365,7 +370,7 @@ def fastest(variants: dict[str, dict[str, Any]], prefix: str) -> str | None:
 def main_ranks(args: argparse.Namespace) -> None:
     """Ours under DDP on every rank of a torchrun job; rank 0 writes the record."""
     dist = init_distributed()
-    g = TINY if args.tiny else Geometry()
+    g = GEOMETRIES[args.geometry]
     data = own_sample(random_data(g, dist.device), g, dist.rank)
     compiled = dist.device.type == "cuda" and not args.no_compile
     step, loss = ours_ddp(g, data, dist, compiled)
@@ -411,7 +416,8 @@ def write_record(record: dict[str, Any], out: Path | None) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tiny", action="store_true", help="tiny geometry (CPU smoke run)")
+    p.add_argument("--geometry", choices=sorted(GEOMETRIES), default="llama-3.1-8b",
+                   help="drafter geometry; tiny for a CPU smoke run")
     p.add_argument("--seconds", type=float, default=30.0, help="timed seconds per variant")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (torch.compile happens here)")
     p.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 peak of the device for MFU (H200 measured)")
@@ -425,7 +431,7 @@ def main() -> None:
         return main_ranks(args)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    g = TINY if args.tiny else Geometry()
+    g = GEOMETRIES[args.geometry]
     data = random_data(g, device)
     use_compile = device.type == "cuda" and not args.no_compile
     variants = {"ours_eager": run_variant("ours eager", lambda: ours(g, data, device, False), args, g, device)}

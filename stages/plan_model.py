@@ -128,11 +128,12 @@ def drafter_params(target: Target) -> float:
 
 def training_flops_per_token(target_hidden: int, d: DrafterGeometry, seq: float, ttt_steps: int) -> float:
     """benchmarks/train_bench.py's model FLOPs per token: fc fwd+bwd once; per TTT step the layer and draft
-    lm_head fwd+bwd and the target head's forward over the draft vocab; attention fwd+bwd where step k's
-    query t sees t+1 causal keys and k diagonal ones."""
+    lm_head fwd+bwd; the target head's forward over the draft vocab once (all steps read the same
+    positions' distributions); attention fwd+bwd where step k's query t sees t+1 causal keys and k
+    diagonal ones."""
     q = d.heads * d.head_dim
-    dense = 6 * AUX_STATES * target_hidden * d.hidden_size + ttt_steps * (
-        6 * (d.layer_params() + d.hidden_size * d.draft_vocab) + 2 * target_hidden * d.draft_vocab)
+    dense = (6 * AUX_STATES * target_hidden * d.hidden_size
+             + ttt_steps * 6 * (d.layer_params() + d.hidden_size * d.draft_vocab) + 2 * target_hidden * d.draft_vocab)
     visible_per_token = sum((seq + 1) / 2 + k for k in range(ttt_steps))
     return dense + 3 * 4 * q * visible_per_token
 
