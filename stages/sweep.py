@@ -111,7 +111,7 @@ def main() -> None:
             continue
         print(f"[sweep] {number}/{len(args.values)} {name}: dvc exp run --temp -S {args.param}={value}",
               file=sys.stderr, flush=True)
-        result = subprocess.run(["dvc", "exp", "run", "--temp", "-f", "--name", name, "-S", f"{args.param}={value}"])
+        result = subprocess.run(["dvc", "exp", "run", "--temp", "--name", name, "-S", f"{args.param}={value}"])
         if result.returncode:
             sys.exit(f"sweep: experiment {name} failed (exit {result.returncode}); rerun `make sweep` to resume")
     rows = collect(args.param, args.values, exp_show())
