@@ -16,16 +16,18 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import numpy as np
 import pyarrow.parquet as pq
 import torch
+from torch import Tensor
 
 from stages import server
 from stages.atomic import atomic_write_json
 from stages.checkpoint import load_drafter, read_checkpoint
+from stages.extract import Capture
 from stages.generate import render
 from stages.metrics import write_metrics
 from stages.params import load_section
@@ -91,10 +93,17 @@ def conversation(turns: list[str], answers: list[str]) -> list[dict[str, str]]:
     return messages
 
 
+class Answer(NamedTuple):
+    tokens: list[int]  # the greedy answer, through its first end-of-turn token
+    aux: Tensor | None  # the target's aux states at prompt + answer positions (all but the last), if captured
+
+
 def greedy_answers(target: Any, prompts: list[list[int]], max_new_tokens: int, eos: set[int], pad_id: int,
-                   batch_size: int, progress: Progress) -> list[list[int]]:
+                   batch_size: int, progress: Progress, capture: Capture | None = None) -> list[Answer]:
     """The target's greedy answers, `batch_size` prompts per generate call (left-padded), each cut
-    after its first end-of-turn token. Batching shares each step's weight reads: decode is bound by them."""
+    after its first end-of-turn token. Batching shares each step's weight reads: decode is bound by them.
+    With `capture` (hooks on the target), each answer also keeps the aux states its generation computed,
+    so replaying the speculative rounds needs no second target forward over prompt + answer."""
     answers = []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
@@ -104,12 +113,23 @@ def greedy_answers(target: Any, prompts: list[list[int]], max_new_tokens: int, e
         for row, prompt in enumerate(chunk):
             ids[row, longest - len(prompt):] = torch.tensor(prompt)
             mask[row, longest - len(prompt):] = 1
-        with torch.no_grad():
-            out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                                  eos_token_id=sorted(eos), pad_token_id=pad_id)
-        for row in out[:, longest:].tolist():
-            ends = [i for i, t in enumerate(row) if t in eos]
-            answers.append(row[: ends[0] + 1] if ends else row)
+        forwards: list[Tensor] = []  # aux of each forward generate makes: the prompts, then one token per step
+        hook = (target.get_decoder().register_forward_hook(lambda *_: forwards.append(capture.take()[0]))
+                if capture else None)
+        try:
+            with torch.no_grad():
+                out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                      do_sample=False, eos_token_id=sorted(eos), pad_token_id=pad_id)
+        finally:
+            if hook:
+                hook.remove()
+        for row, (prompt, generated) in enumerate(zip(chunk, out[:, longest:].tolist())):
+            ends = [i for i, t in enumerate(generated) if t in eos]
+            tokens = generated[: ends[0] + 1] if ends else generated
+            # answer token i is the input of step i + 1; the last one is never fed back
+            aux = (torch.cat([forwards[0][row, longest - len(prompt):],
+                              *(step[row] for step in forwards[1 : len(tokens)])]) if capture else None)
+            answers.append(Answer(tokens, aux))
         progress.update(len(chunk))
     return answers
 
@@ -134,16 +154,18 @@ def offline_eval(params: EvaluateParams, record: dict, tokenizer: Any, items: li
     for turn in range(max(len(item["turns"]) for item in items)):
         todo = [i for i, item in enumerate(items) if len(item["turns"]) > turn]
         prompts = [render(tokenizer, conversation(items[i]["turns"], answers[i]), True) for i in todo]
-        replies: list[list[int] | None] = [None] * len(todo)
+        greedy: list[Answer | None] = [None] * len(todo)
         if params.temperature == 0:
-            replies = greedy_answers(target, prompts, params.max_new_tokens, eos, pad_id, params.offline_batch_size,
-                                     Progress(f"evaluate offline turn {turn + 1}: greedy answers", len(todo), "answers"))
+            greedy = greedy_answers(target, prompts, params.max_new_tokens, eos, pad_id, params.offline_batch_size,
+                                    Progress(f"evaluate offline turn {turn + 1}: greedy answers", len(todo), "answers"),
+                                    decoder.capture)
         progress = Progress(f"evaluate offline turn {turn + 1}: speculative rounds", len(todo), "answers")
-        for i, prompt, reply in zip(todo, prompts, replies):
-            if reply is None:
+        for i, prompt, answer in zip(todo, prompts, greedy):
+            if answer is None:
                 reply, stats = decoder.generate(prompt, params.max_new_tokens, eos)
             else:
-                stats = decoder.replay(prompt, reply, stop=len(reply))
+                reply = answer.tokens
+                stats = decoder.replay(prompt, reply, stop=len(reply), aux=answer.aux)
             answers[i].append(tokenizer.decode(reply, skip_special_tokens=True))
             total.add(stats)
             per_category[items[i]["category"]].add(stats)

@@ -87,7 +87,7 @@ class SpecDecoder:
         return drafts, qs, (keys, values)
 
     @torch.no_grad()
-    def replay(self, prompt_ids: list[int], continuation: list[int], stop: int) -> DecodeStats:
+    def replay(self, prompt_ids: list[int], continuation: list[int], stop: int, aux: Tensor | None = None) -> DecodeStats:
         """Temperature 0 only: the rounds `generate(prompt_ids, stop, ...)` runs, from ONE target forward.
 
         At T=0 the verified output is the target's greedy continuation whatever the drafts are,
@@ -95,12 +95,15 @@ class SpecDecoder:
         continuation as in the incremental verifications. So the rounds can be replayed along the
         known continuation without a target forward per round. Drafts are compared with the
         continuation's tokens; those past `stop` (if given) stand for the target's argmax there.
+        `aux`: the target's aux states over prompt + continuation if already known (at least all
+        but the continuation's last position), else one forward computes them.
         """
         if self.temperature != 0:
             raise ValueError("replay is exact only at temperature 0; use generate")
         tokens = list(prompt_ids) + list(continuation)
-        self.target.get_decoder()(input_ids=torch.tensor([tokens]), use_cache=False)
-        aux = self.capture.take()[0][0]
+        if aux is None:
+            self.target.get_decoder()(input_ids=torch.tensor([tokens]), use_cache=False)
+            aux = self.capture.take()[0][0]
         stats = DecodeStats(accepted_per_pos=[0] * self.k)
         n, i, prefix = len(prompt_ids), 0, None  # continuation[i] is the token the next round starts from
         while i + 1 < stop:

@@ -92,7 +92,8 @@ def test_agreement_check_catches_shifted_aux_ids_and_dropped_d2t(embedded_target
     target = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     eos = {tokenizer.convert_tokens_to_ids("<|im_end|>")}
     prompts = [evaluate.render(tokenizer, [{"role": "user", "content": q}], True) for q in QUESTIONS]
-    answers = evaluate.greedy_answers(target, prompts, 48, eos, tokenizer.eos_token_id, 4, Progress("t", 4))
+    answers = [a.tokens for a in evaluate.greedy_answers(target, prompts, 48, eos, tokenizer.eos_token_id, 4,
+                                                         Progress("t", 4))]
     responses = tmp_path / "responses.parquet"
     write_responses(responses, tokenizer, prompts, answers)
     vocab.build(vocab.VocabParams(draft_vocab_size=1024), record["vocab_size"], responses, tmp_path / "vocab")
@@ -131,3 +132,34 @@ def test_agreement_check_catches_shifted_aux_ids_and_dropped_d2t(embedded_target
     # Adjacent layers' states are alike enough that acceptance may not move (README, evaluate);
     # the comparison of the served ids with the trained ones catches the shift whatever it does.
     assert any("serves aux layer ids [3, 16, 28]" in m for m in mismatches["aux ids + 1"]), mismatches
+
+
+def test_greedy_answers_keep_the_aux_states_replay_needs(embedded_target, tokenizer):
+    """The aux states captured while generating (left-padded batch, KV cache) equal one forward over
+    prompt + answer, and replaying the rounds on them counts what replay's own forward counts."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from stages import evaluate
+    from stages.progress import Progress
+    from stages.speculative import SpecDecoder
+    from tests.test_speculative import random_drafter
+
+    target = AutoModelForCausalLM.from_pretrained(embedded_target[0], dtype=torch.float32).eval()
+    decoder = SpecDecoder(target, random_drafter(target.config, [2, 15, 27], torch.arange(512), seed=5),
+                          [2, 15, 27], 3, temperature=0.0)
+    eos = {tokenizer.convert_tokens_to_ids("<|im_end|>")}
+    prompts = [evaluate.render(tokenizer, [{"role": "user", "content": q}], True)
+               for q in ("Name three rivers.", "Explain in two sentences why the sky is blue to a child.")]
+    answers = evaluate.greedy_answers(target, prompts, 24, eos, tokenizer.eos_token_id, 2, Progress("t", 2),
+                                      decoder.capture)
+    for prompt, answer in zip(prompts, answers):
+        with torch.no_grad():
+            target.get_decoder()(input_ids=torch.tensor([prompt + answer.tokens]), use_cache=False)
+        full = decoder.capture.take()[0][0]
+        assert answer.aux.shape[0] == len(prompt) + len(answer.tokens) - 1
+        # fp32 sums in another order (batch, padding, KV cache): ~1e-3 apart; a shifted row would be far off
+        torch.testing.assert_close(answer.aux, full[: answer.aux.shape[0]], rtol=1e-2, atol=1e-3)
+        mine = decoder.replay(prompt, answer.tokens, stop=len(answer.tokens), aux=answer.aux)
+        own = decoder.replay(prompt, answer.tokens, stop=len(answer.tokens))
+        assert (mine.rounds, mine.accepted_per_pos) == (own.rounds, own.accepted_per_pos)
