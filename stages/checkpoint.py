@@ -236,18 +236,25 @@ def tensor_defects(config: DrafterConfig, dtype: torch.dtype, tensors: dict[str,
 
 
 def save_drafter(
-    out_dir: str | Path, model: Drafter, d2t: Tensor, t2d: Tensor, dtype: torch.dtype | None = None
+    out_dir: str | Path,
+    model: Drafter,
+    d2t: Tensor,
+    t2d: Tensor,
+    dtype: torch.dtype | None = None,
+    weights: dict[str, Tensor] | None = None,
 ) -> None:
     """Write the servable checkpoint atomically: a reader sees the old directory or the new one.
 
-    dtype: weight dtype on disk (default: the model's). Refuses an inconsistent vocab map.
+    dtype: weight dtype on disk (default: the model's). weights: the model's state dict when the
+    model's own holds shards (FSDP gathers it first). Refuses an inconsistent vocab map.
     """
     config = model.config
     dtype = dtype or model.fc.weight.dtype
     defects = vocab_map_defects(d2t.cpu(), t2d.cpu(), config.draft_vocab_size, config.vocab_size)
     if defects:
         raise CheckpointError("; ".join(defects))
-    tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in model.state_dict().items()}
+    weights = model.state_dict() if weights is None else weights
+    tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in weights.items()}
     if not full_vocab(config):
         tensors["d2t"] = d2t.detach().cpu().contiguous()
         tensors["t2d"] = t2d.detach().cpu().contiguous()

@@ -1,7 +1,7 @@
 """Stage `train`: an EAGLE-3 drafter from the hidden-state store (design.md, "Drafter").
 
     python -m stages.train                         # one process: CPU, or one GPU
-    torchrun --nproc_per_node 8 -m stages.train    # DDP, one GPU per process (gloo on CPU)
+    torchrun --nproc_per_node 8 -m stages.train    # DDP (FSDP with train.fsdp), one GPU per process (gloo on CPU)
 
 Reads artifacts/hidden (tokens, loss mask, the target's aux and last states), artifacts/vocab
 (d2t/t2d; a drafter given as init_from brings its own and keeps it, because its lm_head rows
@@ -17,10 +17,12 @@ the store holds pre-norm states, lm_head rows of the draft vocabulary, softmax o
 averaged per step over the global batch with row weights 1 (predicted token generated) or
 prompt_loss_weight (any other valid row), summed over steps with weights step_decay^k.
 
-DDP: each rank runs its share of a step's batches (stages/train_data.py), and the loss is scaled
-by the world size, so DDP's gradient average is the sum one process would accumulate. FSDP is
-not implemented: a one-layer drafter plus its AdamW state fits one GPU (Kimi-K2 geometry: about
-1.1B parameters, 18 GB of fp32 weights, gradients and AdamW state).
+Several processes: each rank runs its share of a step's batches (stages/train_data.py), and the
+loss is scaled by the world size, so the gradient average over ranks is the sum one process would
+accumulate. DDP keeps all weights, gradients and AdamW state on every rank; FSDP (train.fsdp)
+keeps 1/world of them (Kimi-K2.5 geometry: 1.14B trainable parameters, 18 GB of fp32 weights,
+gradients and AdamW state). Checkpoints hold whole tensors either way, so a run resumes with
+another world size, or switches between DDP and FSDP.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from transformers import PretrainedConfig
 
@@ -59,6 +64,7 @@ from stages.server import require_accelerators_free
 from stages.target import TargetError, load_record
 from stages.train_data import Batch, batch_loader, epoch_steps, is_heldout, pack
 from stages.train_state import (
+    GATHER,
     RunState,
     load_checkpoint,
     newest_checkpoint,
@@ -71,7 +77,7 @@ from stages.train_teacher import Teacher, TeacherError, load_teacher, target_con
 # Params that change how a run is watched or saved, not the weights it produces: changing them
 # does not stop a resume.
 HEAD_INITS = ("target", "random")
-OPERATIONAL = ("log_every", "checkpoint_every", "eval_every", "num_workers", "compile", "save_dtype")
+OPERATIONAL = ("log_every", "checkpoint_every", "eval_every", "num_workers", "compile", "save_dtype", "fsdp")
 
 
 class TrainError(ValueError):
@@ -109,6 +115,7 @@ class TrainParams:
     seed: int = 0
     num_workers: int = 2  # decoding processes per rank
     compile: bool = False  # torch.compile the drafter
+    fsdp: bool = False  # several processes: shard weights, gradients and AdamW state instead of replicating them
     ce_chunk_size: int = 1024
     save_dtype: str = "float32"  # float32 | bfloat16 | float16 | target (the target's dtype)
 
@@ -336,7 +343,8 @@ def make_plan(params: TrainParams, store: HiddenStore) -> Plan:
 class DraftLoss(nn.Module):
     """The drafter and the frozen teacher; forward(batch) gives the losses of all TTT steps.
 
-    One module, so that DDP sees every use of the drafter's parameters inside its forward.
+    One module, so that DDP and FSDP see every use of the drafter's parameters (lm_head's weight
+    goes to the loss kernel directly) inside its forward.
     """
 
     def __init__(self, drafter: Drafter, teacher: Teacher, ttt_steps: int, chunk_size: int) -> None:
@@ -436,7 +444,7 @@ class Run:
     inputs: Inputs
     plan: Plan
     loss: DraftLoss
-    model: nn.Module  # `loss`, DDP-wrapped when there are several processes
+    model: nn.Module  # `loss`: DDP-wrapped, or itself sharded by FSDP, when there are several processes
     optimizer: torch.optim.AdamW
     state: RunState
     dtype: torch.dtype  # of states and activations: bf16 autocast on GPU, fp32 on CPU
@@ -471,7 +479,12 @@ def setup(params: TrainParams, paths: Paths, dist: Dist) -> Run:
     inputs = load_inputs(params, paths)
     plan = make_plan(params, inputs.store)
     drafter = inputs.drafter.to(dist.device)
-    optimizer = make_optimizer(drafter, params, dist.device)
+    if params.compile:
+        drafter.compile()
+    dtype = torch.bfloat16 if dist.device.type == "cuda" else torch.float32
+    loss = DraftLoss(drafter, inputs.teacher.to(dist.device, dtype), params.ttt_steps, params.ce_chunk_size)
+    model = distribute(loss, params.fsdp, dist)
+    optimizer = make_optimizer(drafter, params, dist.device)  # after FSDP has replaced the parameters by shards
     paths.run.mkdir(parents=True, exist_ok=True)
     if dist.main:
         remove_partial(paths.run)
@@ -479,39 +492,52 @@ def setup(params: TrainParams, paths: Paths, dist: Dist) -> Run:
     state = RunState(inputs.fingerprint)
     checkpoint = newest_checkpoint(paths.run)
     if checkpoint and saved_fingerprint(checkpoint) == inputs.fingerprint:
-        state = load_checkpoint(checkpoint, drafter, optimizer)
+        state = load_checkpoint(checkpoint, loss, optimizer)
     elif checkpoint and dist.main:
         print(f"[train] starting afresh: {checkpoint} was made with other params or inputs", file=sys.stderr)
-    if params.compile:
-        drafter.compile()
-    dtype = torch.bfloat16 if dist.device.type == "cuda" else torch.float32
-    loss = DraftLoss(drafter, inputs.teacher.to(dist.device, dtype), params.ttt_steps, params.ce_chunk_size)
-    model: nn.Module = loss
-    if dist.world > 1:
-        model = DistributedDataParallel(loss, device_ids=[dist.device.index] if dist.device.type == "cuda" else None)
     decay = torch.tensor([params.step_decay**k for k in range(params.ttt_steps)], device=dist.device)
     return Run(params, paths, dist, inputs, plan, loss, model, optimizer, state, dtype, decay)
+
+
+def distribute(loss: DraftLoss, fsdp: bool, dist: Dist) -> nn.Module:
+    """The module the training step calls: `loss` itself in one process; else DDP-wrapped, or
+    sharded in place by FSDP. One FSDP unit: the drafter is a single decoder layer, gathered whole
+    for the step; what sharding saves is the gradients and the AdamW state (12 of its 16 bytes per
+    weight)."""
+    if dist.world == 1:
+        return loss
+    if fsdp:
+        return fully_shard(loss)
+    return DistributedDataParallel(loss, device_ids=[dist.device.index] if dist.device.type == "cuda" else None)
+
+
+def set_gradient_sync(model: nn.Module, sync: bool) -> None:
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(sync)
+    elif isinstance(model, DistributedDataParallel):
+        model.require_backward_grad_sync = sync
 
 
 def train_step(run: Run, batches: list[Batch], lr: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One optimizer step over this rank's batches: (loss sums, hits, global weights, grad norm)."""
     k = run.params.ttt_steps
     weights = run.dist.all_reduce(sum(b.step_weights(k) for b in batches))
-    # Per-step means over the global batch; times the world size because DDP averages over ranks.
+    # Per-step means over the global batch; times the world size because DDP and FSDP average over ranks.
     scale = run.decay * run.dist.world * torch.where(weights > 0, 1 / weights, 0.0)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     losses = torch.zeros(k, device=run.dist.device)
     hits = torch.zeros(k, device=run.dist.device)
     for i, batch in enumerate(batches):
-        if run.dist.world > 1:  # gradients are exchanged once, after the last batch
-            run.model.require_backward_grad_sync = i == len(batches) - 1
+        set_gradient_sync(run.model, i == len(batches) - 1)  # exchanged once, after the last batch
         with run.autocast():
             objective, batch_losses, batch_hits = run.model(batch, scale)
         objective.backward()
         losses += batch_losses
         hits += batch_hits
     grad_norm = nn.utils.clip_grad_norm_(run.loss.drafter.parameters(), run.params.grad_clip)
+    if isinstance(grad_norm, DTensor):  # FSDP: the norm over all shards
+        grad_norm = grad_norm.full_tensor()
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     return losses, hits, weights, grad_norm
@@ -576,8 +602,7 @@ def loop(run: Run) -> tuple[int, int, float]:
             if heldout is not None:
                 state.heldout_curve.append(heldout)
         if state.step % params.checkpoint_every == 0 or last:
-            if dist.main:
-                save_checkpoint(run.paths.run, state, run.loss.drafter, run.optimizer)
+            save_checkpoint(run.paths.run, state, run.loss, run.optimizer, write=dist.main)
             dist.barrier()
         if progress:
             progress.update(1, extra)
@@ -596,11 +621,15 @@ def write_curve(path: Path, rows: list[dict[str, float]]) -> None:
 
 
 def save_output(run: Run) -> torch.dtype:
-    """The servable checkpoint, validated; raises TrainError naming every defect."""
+    """The servable checkpoint, validated; raises TrainError naming every defect. Every rank
+    calls it (FSDP gathers the weights); rank 0 writes."""
     record, inputs = run.inputs.record, run.inputs
     name = record.get("dtype", "float32") if run.params.save_dtype == "target" else run.params.save_dtype
     dtype = WEIGHT_DTYPES[name]
-    save_drafter(run.paths.out, run.loss.drafter, inputs.d2t, inputs.t2d, dtype)
+    weights = get_model_state_dict(run.loss.drafter, options=GATHER)
+    if not run.dist.main:
+        return dtype
+    save_drafter(run.paths.out, run.loss.drafter, inputs.d2t, inputs.t2d, dtype, weights=weights)
     config = run.loss.drafter.config
     defects = validate(run.paths.out, record["num_layers"], config.target_hidden_size, config.vocab_size)
     if defects:
@@ -637,8 +666,8 @@ def train_on(dist: Dist, params: TrainParams, paths: Paths) -> dict[str, Any] | 
         if heldout is not None:
             run.state.heldout_curve.append(heldout)
     record = None
+    dtype = save_output(run)
     if dist.main:
-        dtype = save_output(run)
         write_curve(paths.curve, run.state.curve)
         write_curve(paths.heldout_curve, run.state.heldout_curve)
         record = report(run, heldout, dtype, resumed_from, tokens, samples, loop_s, time.monotonic() - started)

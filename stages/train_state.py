@@ -2,9 +2,10 @@
 
 A checkpoint `step-00001200/` is written to a temporary sibling and renamed when complete and
 fsync'd; only then are older ones deleted, so a crash at any moment leaves at least one whole
-checkpoint. No pickle anywhere: the drafter's weights, the flattened AdamW state and the RNG
-states (uint8 tensors) go to `tensors.safetensors`; step, data position, the optimizer's
-hyper-parameters, the curves and the run's fingerprint go to `state.json`. The learning rate is
+checkpoint. No pickle anywhere: the drafter's weights, the flattened AdamW state (both whole,
+keyed by parameter name, gathered from the ranks under FSDP) and the RNG states (uint8 tensors)
+go to `tensors.safetensors`; step, data position, the optimizer's hyper-parameters, the curves
+and the run's fingerprint go to `state.json`. The learning rate is
 a pure function of the step, so the step is the whole scheduler state.
 """
 
@@ -15,17 +16,28 @@ import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from stages.atomic import atomic_dir, fsync_path
 
 TENSORS_FILE = "tensors.safetensors"
 STATE_FILE = "state.json"
 PREFIX = "step-"
+# Whole tensors in CPU memory, whatever the sharding; every rank loads whole tensors and keeps its part.
+GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
+SCATTER = StateDictOptions(full_state_dict=True)
 
 
 @dataclass
@@ -59,21 +71,29 @@ def saved_fingerprint(path: Path) -> str:
     return json.loads((path / STATE_FILE).read_text())["fingerprint"]
 
 
-def save_checkpoint(run_dir: Path, state: RunState, model: nn.Module, optimizer: torch.optim.Optimizer) -> Path:
-    """Writes the checkpoint of `state.step` atomically, then deletes all others."""
-    names = _param_names(model, optimizer)
-    tensors = {f"model.{name}": t for name, t in model.state_dict().items()}
-    opt = optimizer.state_dict()
-    for index, entries in opt["state"].items():
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """The model's and optimizer's whole state on the CPU, keyed by parameter name. A collective
+    under FSDP (every rank calls it; rank 0 gets the gathered tensors, the others empty dicts)."""
+    return get_model_state_dict(model, options=GATHER), get_optimizer_state_dict(model, optimizer, options=GATHER)
+
+
+def save_checkpoint(run_dir: Path, state: RunState, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    write: bool = True) -> Path | None:
+    """Writes the checkpoint of `state.step` atomically, then deletes all others. Every rank calls
+    it (the state is gathered from all of them); only the one with `write` writes."""
+    weights, opt = full_state(model, optimizer)
+    if not write:
+        return None
+    tensors = {f"model.{name}": t for name, t in weights.items()}
+    for name, entries in opt["state"].items():
         for key, value in entries.items():
             if not isinstance(value, Tensor):
-                raise TypeError(f"optimizer state {names[index]}.{key} is a {type(value).__name__}, not a tensor")
-            tensors[f"optim.{names[index]}.{key}"] = value
+                raise TypeError(f"optimizer state {name}.{key} is a {type(value).__name__}, not a tensor")
+            tensors[f"optim.{name}.{key}"] = value
     tensors["rng.torch"] = torch.get_rng_state()
     if torch.cuda.is_available():  # this rank's device only: touching others would create contexts there
         tensors["rng.cuda"] = torch.cuda.get_rng_state()
-    groups = [{**group, "params": [names[i] for i in group["params"]]} for group in opt["param_groups"]]
-    meta = {**dataclasses.asdict(state), "optimizer_groups": groups}
+    meta = {**dataclasses.asdict(state), "optimizer_groups": opt["param_groups"]}
 
     path = checkpoint_dir(run_dir, state.step)
     with atomic_dir(path) as tmp:
@@ -89,34 +109,23 @@ def save_checkpoint(run_dir: Path, state: RunState, model: nn.Module, optimizer:
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> RunState:
-    """Restores weights, optimizer and RNG states in place; returns the saved RunState."""
+    """Restores weights, optimizer and RNG states in place; returns the saved RunState. Every rank
+    reads the whole checkpoint and keeps its part (all of it under DDP, its shards under FSDP), so
+    a run may resume with another world size or from DDP to FSDP."""
     meta = json.loads((path / STATE_FILE).read_text())
     with safe_open(path / TENSORS_FILE, framework="pt") as f:
         tensors = {name: f.get_tensor(name) for name in f.keys()}
-    model.load_state_dict({k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")})
-
-    names = _param_names(model, optimizer)
-    index = {name: i for i, name in enumerate(names)}
-    state: dict[int, dict[str, Tensor]] = {}
+    weights = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
+    set_model_state_dict(model, weights, options=SCATTER)
+    state: dict[str, dict[str, Tensor]] = {}
     for key, value in tensors.items():
         if key.startswith("optim."):
             name, entry = key.removeprefix("optim.").rsplit(".", 1)
-            state.setdefault(index[name], {})[entry] = value
-    groups = [
-        {**group, "params": [index[n] for n in group["params"]], "betas": tuple(group["betas"])}
-        for group in meta.pop("optimizer_groups")
-    ]
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+            state.setdefault(name, {})[entry] = value
+    groups = [{**group, "betas": tuple(group["betas"])} for group in meta.pop("optimizer_groups")]
+    set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": groups}, options=SCATTER)
 
     torch.set_rng_state(tensors["rng.torch"])
     if torch.cuda.is_available() and "rng.cuda" in tensors:
         torch.cuda.set_rng_state(tensors["rng.cuda"])
     return RunState(**meta)
-
-
-def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
-    """Parameter names in the optimizer's own order (the indices of its state_dict)."""
-    by_id = {id(p): name for name, p in model.named_parameters()}
-    return [by_id[id(p)] for group in optimizer.param_groups for p in group["params"]]
-
-

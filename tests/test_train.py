@@ -326,20 +326,31 @@ def _rank_main(rank: int, world: int, port: int, params: TrainParams, paths: Pat
     train(params, paths)
 
 
-def test_two_gloo_processes_train_the_same_weights_as_one(trained, workspace, tmp_path, monkeypatch):
-    reference, _ = trained
-    monkeypatch.chdir(tmp_path)
-    paths = paths_for(workspace, tmp_path)
+def run_ranks(world: int, params: TrainParams, paths: Paths) -> None:
     port = free_port()
-    ranks = [FORK.Process(target=_rank_main, args=(r, 2, port, small_params(), paths)) for r in range(2)]
+    ranks = [FORK.Process(target=_rank_main, args=(r, world, port, params, paths)) for r in range(world)]
     for p in ranks:
         p.start()
     for p in ranks:
         p.join(120)
-    assert [p.exitcode for p in ranks] == [0, 0]
-    expected = weights(reference.out)
-    for name, tensor in weights(paths.out).items():
-        torch.testing.assert_close(tensor, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert [p.exitcode for p in ranks] == [0] * world
+
+
+def assert_same_weights(got: Path, expected: Path) -> None:
+    reference = weights(expected)
+    trained = weights(got)
+    assert trained.keys() == reference.keys()
+    for name, tensor in trained.items():
+        torch.testing.assert_close(tensor, reference[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+def test_two_gloo_processes_train_the_same_weights_as_one(trained, workspace, tmp_path, monkeypatch, fsdp):
+    reference, _ = trained
+    monkeypatch.chdir(tmp_path)
+    paths = paths_for(workspace, tmp_path)
+    run_ranks(2, small_params(fsdp=fsdp), paths)
+    assert_same_weights(paths.out, reference.out)
 
 
 def _train_and_die_in_checkpoint(number: int, params: TrainParams, paths: Paths) -> None:
@@ -378,6 +389,21 @@ def test_kill_9_mid_epoch_then_resume_gives_bitwise_equal_weights(trained, works
     expected = weights(reference.out)
     resumed = weights(paths.out)
     assert all(torch.equal(resumed[name], expected[name]) for name in expected), "resumed weights differ"
+
+
+def test_fsdp_ranks_resume_a_single_process_checkpoint(trained, workspace, tmp_path, monkeypatch):
+    """Checkpoints hold whole tensors: 2 FSDP ranks take over mid-epoch from 1 process's step 3 and
+    end where the uninterrupted run ends."""
+    reference, _ = trained
+    monkeypatch.chdir(tmp_path)
+    paths = paths_for(workspace, tmp_path)
+    child = FORK.Process(target=_train_and_die_in_checkpoint, args=(2, small_params(), paths))
+    child.start()
+    child.join(120)
+    assert child.exitcode == -signal.SIGKILL
+    run_ranks(2, small_params(fsdp=True), paths)
+    assert json.loads((tmp_path / "metrics" / "train.json").read_text())["resumed_from_step"] == 3
+    assert_same_weights(paths.out, reference.out)
 
 
 # ---------------------------------------------------------------------------------------- init_from
