@@ -8,7 +8,8 @@ Variants, each time-boxed, on random bf16 weights (weights decide nothing about 
   (d) ours end to end: hooks on the needed layers, pinned async copies, byte planes + zstd in
       threads, shards on disk.
 Then the training side reads (d)'s store back the way the train stage does (batch_loader: decode
-and collate of one 2048-token sample per batch in DataLoader workers, pinned), with 1 and with
+and collate of one 2048-token sample per batch in reader threads, into pinned memory, byte planes joined
+into bf16 states on the GPU), with 1 and with
 --reader-workers workers, for --seconds each; compared with the trainer's rate in
 benchmarks/results/train-h200.json when that file exists.
 Usage: python benchmarks/extract_bench.py --out benchmarks/results/extract-h200.json  (GPU)
@@ -23,6 +24,8 @@ the host's CPU and disk use. benchmarks/scaling.py runs it at 1 and N GPUs.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import gzip
 import io
 import json
@@ -116,19 +119,22 @@ def store_for(model, capture: Capture, template: list[Sample], writer: ShardWrit
 
 
 def reader_tokens_per_s(store: HiddenStore, workers: int, seconds: float, ttt_steps: int, seq: int,
-                        pin: bool = True) -> float:
-    """Tokens/s the train stage's loader decodes and collates from `store`, over whole batches."""
+                        device: torch.device, pin: bool = True) -> float:
+    """Tokens/s the train stage's loader reads, decodes and collates from `store` and hands to
+    `device` as bf16 batches (byte planes joined there, as the trainer gets them), over whole batches."""
     order = np.random.default_rng(0).permutation(len(store))
     loader = batch_loader(store, [[int(row)] for row in order], ttt_steps=ttt_steps, max_seq_len=seq,
-                          prompt_loss_weight=1.0, num_workers=workers, pin_memory=pin and torch.cuda.is_available())
-    batches = iter(loader)
-    next(batches)  # workers started and their prefetch queues filling, outside the window
-    start, tokens = time.perf_counter(), 0
-    for batch in batches:
-        tokens += batch.tokens
-        if time.perf_counter() - start >= seconds:
-            break
-    return tokens / (time.perf_counter() - start)
+                          prompt_loss_weight=1.0, num_workers=workers, pin_memory=pin and device.type == "cuda")
+    with contextlib.closing(loader):
+        next(loader)  # threads started and the batches ahead under way, outside the window
+        start, tokens = time.perf_counter(), 0
+        for stored in loader:
+            stored.to(device, torch.bfloat16)
+            tokens += stored.tokens
+            if time.perf_counter() - start >= seconds:
+                break
+        sync(device)
+        return tokens / (time.perf_counter() - start)
 
 
 def parse_args() -> argparse.Namespace:
@@ -142,7 +148,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--level", type=int, default=1)
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="measured dense bf16 peak of the GPU")
     parser.add_argument("--reader-workers", type=int, default=None,
-                        help="DataLoader workers of the read-back measurement; default: the cores less 4")
+                        help="reader threads of the read-back measurement; default: the cores less 4")
     parser.add_argument("--ttt-steps", type=int, default=7, help="TTT steps the reader collates for")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--out", default=None)
@@ -204,11 +210,12 @@ def main() -> None:
                            "aux": ArraySpec("bfloat16", (3 * hidden,)), "last": ArraySpec("bfloat16", (hidden,))})
     store = HiddenStore(work / "ours")
     reader_workers = args.reader_workers or max(1, (os.cpu_count() or 2) - 4)
-    results["reader_tokens_per_s_1_worker"] = reader_tokens_per_s(store, 1, args.seconds, args.ttt_steps, seq)
-    results["reader_tokens_per_s"] = reader_tokens_per_s(store, reader_workers, args.seconds, args.ttt_steps, seq)
-    # The same without pinning: what the workers deliver when the main process's pin-memory copy is left out
-    results["reader_unpinned_tokens_per_s"] = reader_tokens_per_s(store, reader_workers, args.seconds, args.ttt_steps,
-                                                                  seq, pin=False)
+    read = functools.partial(reader_tokens_per_s, store, seconds=args.seconds, ttt_steps=args.ttt_steps, seq=seq,
+                             device=device)
+    results["reader_tokens_per_s_1_worker"] = read(1)
+    results["reader_tokens_per_s"] = read(reader_workers)
+    # The same without pinning: the main process's pin-memory copy left out, pageable host-to-device copies
+    results["reader_unpinned_tokens_per_s"] = read(reader_workers, pin=False)
     if TRAIN_RESULT.exists() and not args.tiny:  # the trainer's rate at 8B geometry
         trainer = json.loads(TRAIN_RESULT.read_text())["ours_tokens_per_s"]
         results["reader_over_trainer"] = results["reader_tokens_per_s"] / trainer

@@ -6,6 +6,7 @@ import json
 import os
 import zlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,19 +16,45 @@ import torch
 import zstandard
 from torch.utils.data import IterableDataset, get_worker_info
 
-from stages.hidden_store import FORMAT, INDEX_NAME, MANIFEST_NAME, Sample, decode_sample
+from stages.hidden_store import FORMAT, INDEX_NAME, MANIFEST_NAME, Planes, Sample, decode_sample, to_planes
 
 
 class StoreCorruptError(RuntimeError):
     """A stored sample failed its length, checksum or format check."""
 
 
-def to_torch(sample: Sample) -> dict[str, torch.Tensor]:
-    """The sample's arrays as tensors, bfloat16 ones as torch.bfloat16 (no copy)."""
-    out = {}
+@dataclass
+class StatePlanes:
+    """bf16 states [tokens, channels] as the store keeps them: `top` [channels, tokens] uint8 (sign
+    and exponent bytes, channel-major), `low` [tokens, channels] uint8; join_planes joins them."""
+
+    top: torch.Tensor
+    low: torch.Tensor
+
+    @classmethod
+    def of(cls, states: torch.Tensor) -> StatePlanes:
+        """The planes of bf16 states [tokens, channels] on the CPU."""
+        top, low = to_planes(states.contiguous().view(torch.int16).numpy())
+        return cls(torch.from_numpy(top), torch.from_numpy(low[..., 0]))
+
+
+def join_planes(top: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """bf16 states [..., tokens, channels] from top [..., channels, tokens] and low [..., tokens,
+    channels] (uint8), on whatever device they are."""
+    return ((top.transpose(-1, -2).to(torch.int16) << 8) | low.to(torch.int16)).view(torch.bfloat16)
+
+
+def to_torch(sample: Sample) -> dict[str, torch.Tensor | StatePlanes]:
+    """The sample's arrays as tensors, bfloat16 ones as torch.bfloat16 (no copy); bfloat16 Planes
+    stay StatePlanes (join_planes), other Planes are joined here."""
+    out: dict[str, torch.Tensor | StatePlanes] = {}
     for name, arr in sample.arrays.items():
-        tensor = torch.from_numpy(arr)
-        out[name] = tensor.view(torch.bfloat16) if sample.dtypes[name] == "bfloat16" else tensor
+        bf16 = sample.dtypes[name] == "bfloat16"
+        if isinstance(arr, Planes) and bf16:
+            out[name] = StatePlanes(torch.from_numpy(arr.top), torch.from_numpy(arr.low[..., 0]))
+            continue
+        tensor = torch.from_numpy(arr.join() if isinstance(arr, Planes) else arr)
+        out[name] = tensor.view(torch.bfloat16) if bf16 else tensor
     return out
 
 
@@ -67,13 +94,13 @@ class HiddenStore:
         for row in order:
             yield self.read_row(row)
 
-    def read_row(self, row: int) -> Sample:
-        """The sample in row `row` of the index, checksum-verified."""
+    def read_row(self, row: int, keep_planes: bool = False) -> Sample:
+        """The sample in row `row` of the index, checksum-verified; float arrays as Planes with keep_planes."""
         sample_id, shard = self.sample_ids[row], self._shards[row]
         offset, length = int(self._offsets[row]), int(self._lengths[row])
         path = self.root / shard
-        blob = os.pread(self._fd(shard), length, offset)
-        if len(blob) != length:
+        blob = np.empty(length, np.uint8)  # writable: arrays decoded from it become tensors without a copy
+        if os.preadv(self._fd(shard), [blob], offset) != length:
             raise StoreCorruptError(
                 f"shard {path} is truncated: sample {sample_id!r} needs bytes "
                 f"{offset}..{offset + length}, the file has {os.path.getsize(path)}"
@@ -84,7 +111,7 @@ class HiddenStore:
                 f"(bytes {offset}..{offset + length}): the shard is corrupted"
             )
         try:
-            sample = decode_sample(blob)
+            sample = decode_sample(blob, keep_planes)
         except (ValueError, zstandard.ZstdError) as exc:
             raise StoreCorruptError(f"shard {path}, sample {sample_id!r}: {exc}") from exc
         if sample.sample_id != sample_id:
@@ -101,8 +128,10 @@ class HiddenStore:
         self._fds.clear()
 
     def _fd(self, shard: str) -> int:
-        if shard not in self._fds:
-            self._fds[shard] = os.open(self.root / shard, os.O_RDONLY)
+        if shard not in self._fds:  # several reader threads may open it at once: one descriptor is kept
+            fd = os.open(self.root / shard, os.O_RDONLY)
+            if self._fds.setdefault(shard, fd) != fd:
+                os.close(fd)
         return self._fds[shard]
 
     def _check_schema(self, sample: Sample, path: Path) -> None:

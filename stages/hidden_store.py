@@ -96,11 +96,27 @@ class EncodedSample:
 
 
 @dataclass
+class Planes:
+    """A float array as stored, not yet joined (to_planes): `top` [channels, tokens] channel-major,
+    `low` [tokens, channels, itemsize - 1]. The trainer joins bf16 planes on its GPU, where the
+    transpose back to token-major is nearly free; on a CPU it is most of the decode time."""
+
+    top: np.ndarray
+    low: np.ndarray
+    dtype: np.dtype  # the storage dtype (uint16 for bfloat16)
+    shape: tuple[int, ...]
+
+    def join(self) -> np.ndarray:
+        return from_planes(self.top, self.low, self.dtype, self.shape)
+
+
+@dataclass
 class Sample:
-    """A decoded sample; bfloat16 arrays are uint16 views, `dtypes` names their real dtype."""
+    """A decoded sample; bfloat16 arrays are uint16 views, `dtypes` names their real dtype. Float
+    arrays are Planes when the reader asked to keep them split."""
 
     sample_id: str
-    arrays: dict[str, np.ndarray]
+    arrays: dict[str, np.ndarray | Planes]
     dtypes: dict[str, str]
 
 
@@ -132,16 +148,15 @@ def to_planes(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(as_bytes[..., k - 1].T), np.ascontiguousarray(as_bytes[..., : k - 1])
 
 
-def from_planes(top: np.ndarray, low: memoryview, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
-    """Inverse of to_planes: `top` is the decoded [channels, tokens] plane (writable), `low` the lower bytes."""
+def from_planes(top: np.ndarray, low: np.ndarray, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """Inverse of to_planes: `top` the decoded [channels, tokens] plane (writable), `low` [tokens, channels, k-1]."""
     k, tokens = dtype.itemsize, shape[0]
     word = np.dtype(f"<u{k}")
     # torch's 2-D transpose copy works in cache-sized tiles: ~3x faster than numpy's here
-    out = torch.from_numpy(top.reshape(-1, tokens)).t().contiguous().numpy().astype(word)
+    out = torch.from_numpy(top).t().contiguous().numpy().astype(word)
     out <<= 8 * (k - 1)
-    low_bytes = np.frombuffer(low, np.uint8).reshape(tokens, -1, k - 1)
     for i in range(k - 1):
-        out |= low_bytes[..., i].astype(word) << (8 * i)
+        out |= low[..., i].astype(word) << (8 * i)
     return out.view(dtype).reshape(shape)
 
 
@@ -201,8 +216,9 @@ def encode_sample(
     return EncodedSample(parts, sum(len(p) for p in parts), checksum, raw_bytes)
 
 
-def decode_sample(blob: bytes | memoryview) -> Sample:
-    """Inverse of encode_sample (the caller has verified the checksum)."""
+def decode_sample(blob: bytes | memoryview | np.ndarray, keep_planes: bool = False) -> Sample:
+    """Inverse of encode_sample (the caller has verified the checksum); with keep_planes, float
+    arrays stay Planes for the caller to join."""
     view = memoryview(blob)
     (header_len,) = _HEADER_LEN.unpack_from(view, 0)
     pos = _HEADER_LEN.size + header_len
@@ -223,8 +239,10 @@ def decode_sample(blob: bytes | memoryview) -> Sample:
             if len(low) != count * (dtype.itemsize - 1):
                 raise ValueError(f"array {name!r} has {len(low)} low-plane bytes, shape {shape} says "
                                  f"{count * (dtype.itemsize - 1)}")
-            top = _decompress(dctx, stored[: entry["top_size"]], count, name)
-            arrays[name] = from_planes(top, low, dtype, shape)
+            tokens = shape[0]
+            top = _decompress(dctx, stored[: entry["top_size"]], count, name).reshape(-1, tokens)
+            planes = Planes(top, np.frombuffer(low, np.uint8).reshape(tokens, -1, dtype.itemsize - 1), dtype, shape)
+            arrays[name] = planes if keep_planes else planes.join()
         elif entry["codec"] == PLAIN_CODEC:
             raw = _decompress(dctx, stored, dtype.itemsize * count, name) if count else np.empty(0, np.uint8)
             arrays[name] = raw.view(dtype).reshape(shape)

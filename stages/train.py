@@ -113,7 +113,7 @@ class TrainParams:
     log_every: int = 10
     checkpoint_every: int = 200
     seed: int = 0
-    num_workers: int = 2  # decoding processes per rank
+    num_workers: int = 2  # store-reading threads per rank
     compile: bool = False  # torch.compile the drafter
     fsdp: bool = False  # several processes: shard weights, gradients and AdamW state instead of replicating them
     ce_chunk_size: int = 1024
@@ -195,6 +195,10 @@ def check_store(manifest: dict[str, Any], record: dict[str, Any], config: Pretra
                 f"store array {name!r}: per-token shape {got}, expected {shape} "
                 f"({len(aux_ids)} aux layers x target hidden size {ht})"
             )
+    for name in ("aux", "last"):
+        if arrays[name].get("dtype") != "bfloat16":
+            raise TrainError(f"store array {name!r} is {arrays[name].get('dtype')}; the trainer reads bfloat16 "
+                             "states (what extract writes)")
     return aux_ids, manifest["last_state"] == "pre_norm"
 
 
@@ -465,8 +469,9 @@ class Run:
             num_workers=self.params.num_workers,
             pin_memory=self.dist.device.type == "cuda",
         )
-        for batch in loader:
-            yield batch.to(self.dist.device, self.dtype)
+        with contextlib.closing(loader):  # closing this generator stops the loader's threads now
+            for batch in loader:
+                yield batch.to(self.dist.device, self.dtype)
 
     def epoch_batches(self, epoch: int, start: int) -> Generator[Batch, None, None]:
         """This rank's batches of `epoch` from step `start` on: its share of every step."""
@@ -573,7 +578,7 @@ def loop(run: Run) -> tuple[int, int, float]:
         epoch, in_epoch = plan.position(step)
         if batches is None or in_epoch == 0:
             if batches is not None:
-                batches.close()  # stops its loader's workers now, not whenever it is collected
+                batches.close()  # stops its loader's threads now, not whenever it is collected
             batches = run.epoch_batches(epoch, in_epoch)
         step_batches = plan.epochs[epoch][in_epoch]
         lr = lr_at(step, plan.total_steps, params)

@@ -18,17 +18,18 @@ step's batches, so 1 or N processes train on identical global batches.
 
 from __future__ import annotations
 
-import functools
+import collections
 import hashlib
-from collections.abc import Callable, Sequence
+import itertools
+from collections.abc import Generator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
 
-from stages.hidden_reader import HiddenStore, to_torch
+from stages.hidden_reader import HiddenStore, StatePlanes, join_planes, to_torch
 
 
 def is_heldout(sample_id: str, fraction: float) -> bool:
@@ -115,61 +116,68 @@ class Batch:
         """[steps] total loss weight of each TTT step."""
         return torch.stack([self.step(k)[2].sum() for k in range(steps)])
 
-    def to(self, device: torch.device, dtype: torch.dtype) -> Batch:
-        """States in the compute dtype, on `device` (asynchronously from pinned memory)."""
-        return Batch(
-            self.aux.to(device, dtype, non_blocking=True),
-            self.next_ids.to(device, non_blocking=True),
-            self.next_last.to(device, dtype, non_blocking=True),
-            self.next_weight.to(device, non_blocking=True),
-            self.tokens,
-        )
 
-    def pin_memory(self) -> Batch:  # DataLoader(pin_memory=True) calls this on custom batch types
-        return Batch(
-            self.aux.pin_memory(),
-            self.next_ids.pin_memory(),
-            self.next_last.pin_memory(),
-            self.next_weight.pin_memory(),
-            self.tokens,
-        )
+@dataclass
+class StoredBatch:
+    """A Batch as the loader hands it over: the bf16 states still as the store's byte planes
+    (top [B, C, columns] channel-major, low [B, columns, C]), which to() moves and joins on the
+    device. Joining there spares the loader's CPU workers the transpose, most of their decode time."""
+
+    aux: StatePlanes
+    next_ids: Tensor
+    next_last: StatePlanes
+    next_weight: Tensor
+    tokens: int
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> Batch:
+        """The Batch on `device`, states in the compute dtype (copied asynchronously from pinned memory)."""
+
+        def states(planes: StatePlanes) -> Tensor:
+            top, low = (t.to(device, non_blocking=True) for t in (planes.top, planes.low))
+            return join_planes(top, low).to(dtype)
+
+        return Batch(states(self.aux), self.next_ids.to(device, non_blocking=True), states(self.next_last),
+                     self.next_weight.to(device, non_blocking=True), self.tokens)
 
 
 def collate(
-    samples: Sequence[dict[str, Tensor]], *, ttt_steps: int, max_seq_len: int, prompt_loss_weight: float
-) -> Batch:
-    """Right-padded batch of decoded samples (input_ids, loss_mask, aux, last), each cut to
-    max_seq_len tokens; every sample needs at least 2 tokens (one anchor)."""
+    samples: Sequence[dict[str, Tensor | StatePlanes]],
+    *,
+    ttt_steps: int,
+    max_seq_len: int,
+    prompt_loss_weight: float,
+    pin_memory: bool = False,
+) -> StoredBatch:
+    """Right-padded batch of samples as the store reads them with keep_planes (input_ids,
+    loss_mask, and aux and last as StatePlanes), each cut to max_seq_len tokens; every sample
+    needs at least 2 tokens (one anchor). Padding is zero bytes: bf16 zeros. pin_memory: the
+    batch is assembled in page-locked memory, from which the GPU copies it without another pass."""
     lengths = [min(len(s["input_ids"]), max_seq_len) for s in samples]
     anchors = max(lengths) - 1
     width = anchors + ttt_steps - 1
-    first = samples[0]
     rows = len(samples)
-    aux = torch.zeros(rows, anchors, first["aux"][0].numel(), dtype=first["aux"].dtype)
-    next_ids = torch.zeros(rows, width, dtype=torch.int64)
-    next_last = torch.zeros(rows, width, first["last"].shape[-1], dtype=first["last"].dtype)
-    next_weight = torch.zeros(rows, width, dtype=torch.float32)
+
+    def empty(*shape: int, dtype: torch.dtype = torch.uint8) -> Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
+
+    def planes(name: str, columns: int) -> StatePlanes:
+        channels = samples[0][name].top.shape[0]
+        return StatePlanes(empty(rows, channels, columns), empty(rows, columns, channels))
+
+    aux, next_last = planes("aux", anchors), planes("last", width)
+    next_ids, next_weight = empty(rows, width, dtype=torch.int64), empty(rows, width, dtype=torch.float32)
     for i, (sample, n) in enumerate(zip(samples, lengths)):
-        aux[i, : n - 1] = sample["aux"][: n - 1].reshape(n - 1, -1)
+        sample_aux, sample_last = sample["aux"], sample["last"]
+        aux.top[i, :, : n - 1] = sample_aux.top[:, : n - 1]
+        aux.low[i, : n - 1] = sample_aux.low[: n - 1]
+        next_last.top[i, :, : n - 1] = sample_last.top[:, 1:n]
+        next_last.low[i, : n - 1] = sample_last.low[1:n]
         next_ids[i, : n - 1] = sample["input_ids"][1:n].long()
-        next_last[i, : n - 1] = sample["last"][1:n]
         next_weight[i, : n - 1] = distribution_weights(sample["loss_mask"], n, prompt_loss_weight)[1:]
-    return Batch(aux, next_ids, next_last, next_weight, tokens=sum(lengths))
-
-
-class BatchData(Dataset):
-    """Given batches of index rows, decoded and collated (in DataLoader workers when there are any)."""
-
-    def __init__(self, store: HiddenStore, batches: list[list[int]], collate_fn: Callable[..., Batch]) -> None:
-        self.store = store
-        self.batches = batches
-        self.collate_fn = collate_fn
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def __getitem__(self, i: int) -> Batch:
-        return self.collate_fn([to_torch(self.store.read_row(row)) for row in self.batches[i]])
+        for tensor in (aux.top[i, :, n - 1 :], aux.low[i, n - 1 :], next_last.top[i, :, n - 1 :],
+                       next_last.low[i, n - 1 :], next_ids[i, n - 1 :], next_weight[i, n - 1 :]):
+            tensor.zero_()  # padding only: zeroing whole buffers first would write every byte twice
+    return StoredBatch(aux, next_ids, next_last, next_weight, tokens=sum(lengths))
 
 
 def batch_loader(
@@ -181,16 +189,31 @@ def batch_loader(
     prompt_loss_weight: float,
     num_workers: int,
     pin_memory: bool,
-) -> DataLoader:
-    """The batches in order, decoded ahead of the training loop by `num_workers` processes."""
-    collate_fn = functools.partial(
-        collate, ttt_steps=ttt_steps, max_seq_len=max_seq_len, prompt_loss_weight=prompt_loss_weight
-    )
-    return DataLoader(
-        BatchData(store, batches, collate_fn),
-        batch_size=None,
-        shuffle=False,
-        num_workers=num_workers,
-        pin_memory=pin_memory,
-        prefetch_factor=4 if num_workers else None,
-    )
+) -> Generator[StoredBatch, None, None]:
+    """The batches in order, each read, checked, decoded and collated by one of `num_workers`
+    threads ahead of the training loop (0: in the caller). Threads, not processes: reading,
+    CRC, zstd and tensor copies release the GIL, and a thread can collate straight into pinned
+    memory that the GPU copies from, where a worker process hands its batch over through shared
+    memory that the main process must copy once more (on an H200 host that copy capped the
+    reader near the trainer's need). close() stops it, dropping batches not yet started."""
+
+    def read(rows: list[int]) -> StoredBatch:
+        samples = [to_torch(store.read_row(row, keep_planes=True)) for row in rows]
+        return collate(samples, ttt_steps=ttt_steps, max_seq_len=max_seq_len, prompt_loss_weight=prompt_loss_weight,
+                       pin_memory=pin_memory)
+
+    if num_workers == 0:
+        yield from map(read, batches)
+        return
+    pool = ThreadPoolExecutor(num_workers, thread_name_prefix="batch-reader")
+    try:
+        todo = iter(batches)
+        # every thread busy and two batches ready: at 16K-token batches of an 8B target each is 0.5 GB
+        ahead = collections.deque(pool.submit(read, rows) for rows in itertools.islice(todo, num_workers + 2))
+        while ahead:
+            batch = ahead.popleft().result()
+            for rows in itertools.islice(todo, 1):
+                ahead.append(pool.submit(read, rows))
+            yield batch
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)

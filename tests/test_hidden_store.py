@@ -18,8 +18,10 @@ from stages import hidden_store
 from stages.hidden_reader import (
     HiddenStateStream,
     HiddenStore,
+    StatePlanes,
     StoreCorruptError,
     epoch_rows,
+    join_planes,
     to_torch,
 )
 from stages.hidden_store import (
@@ -124,6 +126,14 @@ def test_roundtrip_is_bitwise_for_every_bf16_pattern(tmp_path: Path) -> None:
     assert torch.isnan(flat[where[0x7FC0]]) and torch.isnan(flat[where[0xFFFF]])
     assert flat[where[0x7F80]] == float("inf") and flat[where[0xFF80]] == float("-inf")
     assert flat[where[0x8000]] == 0 and torch.signbit(flat[where[0x8000]])
+
+    # The trainer's path: planes kept at read, joined by torch (on its GPU): the same bits.
+    split = to_torch(store.read_row(store.sample_ids.index("p1"), keep_planes=True))
+    for name in ("aux", "last"):
+        assert isinstance(split[name], StatePlanes)
+        joined = join_planes(split[name].top, split[name].low)
+        assert torch.equal(joined.view(torch.int16), tensors[name].view(torch.int16)), name
+    assert torch.equal(split["extra_f32"], torch.from_numpy(sample["extra_f32"]))
 
 
 def index_row(root: Path, sample_id: str) -> dict[str, object]:

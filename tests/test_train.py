@@ -25,9 +25,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from stages import train_state
 from stages.checkpoint import save_drafter, validate
 from stages.drafter import Drafter, DrafterConfig
+from stages.hidden_reader import StatePlanes
 from stages.hidden_store import ShardWriter, merge_index, write_manifest
 from stages.train import DraftLoss, Paths, TrainError, TrainParams, check_params, train
-from stages.train_data import collate
+from stages.train_data import Batch, collate
 from stages.train_teacher import Teacher, load_teacher, target_config
 
 VOCAB, HIDDEN, LAYERS, DRAFT_VOCAB = 512, 64, 4, 128
@@ -180,6 +181,15 @@ def trained(workspace, tmp_path_factory) -> tuple[Paths, dict]:
 # ------------------------------------------------------------------------------------ alignment
 
 
+def stored(sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | StatePlanes]:
+    """The sample as the train loader reads it from a store: bf16 states as byte planes."""
+    return {k: StatePlanes.of(v.to(torch.bfloat16)) if k in ("aux", "last") else v for k, v in sample.items()}
+
+
+def batch_of(samples: list[dict[str, torch.Tensor]], **params) -> Batch:
+    return collate([stored(s) for s in samples], **params).to(torch.device("cpu"), torch.float32)
+
+
 def hand_sample(mask: list[int]) -> dict[str, torch.Tensor]:
     """5 tokens 10..14; the state at position p is filled with p, so rows show where they came from."""
     positions = torch.arange(5, dtype=torch.float32)[:, None]
@@ -193,7 +203,7 @@ def hand_sample(mask: list[int]) -> dict[str, torch.Tensor]:
 
 def test_alignment_hand_built():
     w = 0.25  # prompt_loss_weight
-    batch = collate([hand_sample([0, 0, 1, 1, 0])], ttt_steps=2, max_seq_len=64, prompt_loss_weight=w)
+    batch = batch_of([hand_sample([0, 0, 1, 1, 0])], ttt_steps=2, max_seq_len=64, prompt_loss_weight=w)
     assert batch.aux[0, :, 0].tolist() == [0, 1, 2, 3]  # anchors t = 0..3 read aux at t
     # step 0 at anchor t: token t+1, target distribution at t+1 (predicts token t+2, whose mask weighs it)
     ids, last, weight = batch.step(0)
@@ -208,13 +218,33 @@ def test_alignment_hand_built():
     assert batch.tokens == 5
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_stored_batch_joins_the_byte_planes_into_the_states_on_the_device(device):
+    """The loader hands over byte planes; to() must give back exactly the bf16 states, shifted and padded."""
+    rng = torch.Generator().manual_seed(0)
+    samples = [{"input_ids": torch.arange(n, dtype=torch.int32), "loss_mask": torch.ones(n, dtype=torch.uint8),
+                "aux": torch.randn(n, 6, generator=rng).bfloat16(), "last": torch.randn(n, 2, generator=rng).bfloat16()}
+               for n in (7, 4)]
+    batch = collate([stored(s) for s in samples], ttt_steps=2, max_seq_len=64, prompt_loss_weight=1.0).to(
+        torch.device(device), torch.bfloat16)
+    assert batch.aux.device.type == device and batch.aux.dtype == torch.bfloat16
+    for i, s in enumerate(samples):
+        n = len(s["input_ids"])
+        assert torch.equal(batch.aux[i, : n - 1].cpu(), s["aux"][: n - 1])
+        assert torch.equal(batch.next_last[i, : n - 1].cpu(), s["last"][1:n])
+        assert not batch.aux[i, n - 1 :].any() and not batch.next_last[i, n - 1 :].any()
+
+
 def test_alignment_cut_sample_keeps_its_next_token_mask_and_pads_with_zero_weight():
     sample = hand_sample([0, 0, 1, 1, 1])
-    cut = collate([sample], ttt_steps=2, max_seq_len=4, prompt_loss_weight=0.0)
+    cut = batch_of([sample], ttt_steps=2, max_seq_len=4, prompt_loss_weight=0.0)
     assert cut.step(0)[0][0].tolist() == [11, 12, 13]
     assert cut.step(0)[2][0].tolist() == [1, 1, 1]  # token 4 was cut but generated
-    both = collate([sample, {k: v[:4] for k, v in sample.items()}], ttt_steps=2, max_seq_len=64,
-                   prompt_loss_weight=0.5)
+    both = batch_of([sample, {k: v[:4] for k, v in sample.items()}], ttt_steps=2, max_seq_len=64,
+                    prompt_loss_weight=0.5)
     # the 4-token sample: 3 anchors, the last one's predicted token unknown (prompt weight), then padding
     assert both.step(0)[2][1].tolist() == [1, 1, 0.5, 0]
     assert both.step(1)[2][1].tolist() == [1, 0.5, 0, 0]
@@ -254,10 +284,10 @@ def test_objective_matches_hand_indexed_reference_and_ignores_padding(workspace)
     for n in (9, 6):
         samples.append({"input_ids": torch.randint(0, VOCAB, (n,), generator=rng, dtype=torch.int32),
                         "loss_mask": (torch.arange(n) % 3 != 0).to(torch.uint8),
-                        "aux": torch.randn(n, 3 * HIDDEN, generator=rng),
-                        "last": torch.randn(n, HIDDEN, generator=rng)})
+                        "aux": torch.randn(n, 3 * HIDDEN, generator=rng).bfloat16().float(),
+                        "last": torch.randn(n, HIDDEN, generator=rng).bfloat16().float()})
     loss_module = DraftLoss(drafter, teacher, ttt_steps=3, chunk_size=4)
-    batch = collate(samples, ttt_steps=3, max_seq_len=64, prompt_loss_weight=0.3)
+    batch = batch_of(samples, ttt_steps=3, max_seq_len=64, prompt_loss_weight=0.3)
     _, losses, _ = loss_module(batch, torch.ones(3))
     expected = sum(reference_losses(drafter, teacher, s, 3, 0.3) for s in samples)
     torch.testing.assert_close(losses, expected.detach(), rtol=1e-4, atol=1e-4)
