@@ -22,7 +22,7 @@ at TTT step k query t sees t+1 causal keys and k diagonal ones.
   python benchmarks/train_bench.py --geometry kimi-k2.5 --no-compile             (does it fit one GPU?)
 
 Under torchrun (`torchrun --nproc_per_node N benchmarks/train_bench.py`) only ours runs, as the
-train stage runs on N GPUs: its train_step on a DistributedDataParallel DraftLoss, one random
+train stage runs on N GPUs: its train_step on a DDP-wrapped (--fsdp: sharded) DraftLoss, one random
 2048-token batch per rank (each rank its own) and batches_per_step = N, so one optimizer step
 takes N x 2048 tokens; compiled on a GPU unless --no-compile. Rank 0 writes one record: per-rank
 and aggregate tokens/s, and the time of one all-reduce of the drafter's gradients.
@@ -54,16 +54,16 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel
 from transformers import LlamaConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a plain script from anywhere
 from benchmarks.ranks import (HostSnapshot, all_agree, finish, gather, host_usage, process_cores,  # noqa: E402
                               under_torchrun)
 from stages.drafter import Drafter, DrafterConfig, RMSNorm  # noqa: E402
+from stages.hidden_reader import StatePlanes  # noqa: E402
 from stages.metrics import machine_info  # noqa: E402
-from stages.train import (Dist, DraftLoss, Paths, Run, TrainParams, check_params, init_distributed,  # noqa: E402
-                          make_optimizer, train_step)
+from stages.train import (Dist, DraftLoss, Paths, Run, TrainParams, check_params, distribute,  # noqa: E402
+                          init_distributed, make_optimizer, train_step)
 from stages.train_data import Batch, collate  # noqa: E402
 from stages.train_teacher import Teacher  # noqa: E402
 
@@ -176,24 +176,23 @@ def adamw_step(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimize
 class OurParts:
     loss: DraftLoss
     batch: Batch
-    optimizer: torch.optim.Optimizer
 
 
 def our_parts(g: Geometry, data: Data, device: torch.device, compiled: bool) -> OurParts:
-    """The train stage's pieces: DraftLoss (TTT attention kernel, chunked soft-CE), one batch, AdamW."""
+    """The train stage's pieces: DraftLoss (TTT attention kernel, chunked soft-CE) and one batch."""
     config = DrafterConfig.from_target(g.llama_config(), draft_vocab_size=g.draft_vocab, aux_layer_ids=AUX_IDS)
     drafter = Drafter(config).to(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     norm = RMSNorm(g.hidden, 1e-5).requires_grad_(False)
     teacher = Teacher(data.embed, data.lm_head[torch.arange(g.draft_vocab, device=device) + data.d2t], norm)
     sample = {"input_ids": data.ids.cpu(), "loss_mask": torch.ones(g.seq, dtype=torch.uint8),
-              "aux": data.aux.cpu(), "last": data.last.cpu()}
-    batch: Batch = collate([sample], ttt_steps=g.ttt_steps, max_seq_len=g.seq, prompt_loss_weight=0.0)
-    batch = batch.to(device, dtype)
+              "aux": StatePlanes.of(data.aux.cpu()), "last": StatePlanes.of(data.last.cpu())}
+    stored = collate([sample], ttt_steps=g.ttt_steps, max_seq_len=g.seq, prompt_loss_weight=0.0)
+    batch: Batch = stored.to(device, dtype)
     loss = DraftLoss(drafter, teacher.to(device, dtype), g.ttt_steps, chunk_size=1024)
     if compiled:
         drafter.compile()
-    return OurParts(loss, batch, make_optimizer(drafter, TrainParams(), device))
+    return OurParts(loss, batch)
 
 
 def ours(g: Geometry, data: Data, device: torch.device, compiled: bool) -> Callable[[], None]:
@@ -202,34 +201,33 @@ def ours(g: Geometry, data: Data, device: torch.device, compiled: bool) -> Calla
     weights = parts.batch.step_weights(g.ttt_steps)
     scale = torch.tensor([DECAY**k for k in range(g.ttt_steps)], device=device) / weights
     params = list(parts.loss.drafter.parameters())
+    optimizer = make_optimizer(parts.loss.drafter, TrainParams(), device)
 
     def step() -> None:
         with autocast(device):
             objective, _, _ = parts.loss(parts.batch, scale)
         objective.backward()
-        adamw_step(params, parts.optimizer)
+        adamw_step(params, optimizer)
 
     return step
 
 
-def ours_ddp(g: Geometry, data: Data, dist: Dist, compiled: bool) -> tuple[Callable[[], None], DraftLoss]:
+def ours_ranks(g: Geometry, data: Data, dist: Dist, compiled: bool, fsdp: bool) -> tuple[Callable[[], None], DraftLoss]:
     """The train stage's own train_step over this rank's batch, with the stage's global-batch rule
-    (batches_per_step = world size: per-step means over all ranks' tokens, DDP averaging gradients)."""
+    (batches_per_step = world size: per-step means over all ranks' tokens, DDP or FSDP averaging gradients)."""
     parts = our_parts(g, data, dist.device, compiled)
     params = TrainParams(ttt_steps=g.ttt_steps, step_decay=DECAY, max_seq_len=g.seq, max_tokens_per_batch=g.seq,
-                         batches_per_step=dist.world, compile=compiled)
+                         batches_per_step=dist.world, compile=compiled, fsdp=fsdp)
     check_params(params, dist.world)
-    model: torch.nn.Module = parts.loss
-    if dist.world > 1:  # as stages.train.setup wraps it
-        model = DistributedDataParallel(parts.loss,
-                                        device_ids=[dist.device.index] if dist.device.type == "cuda" else None)
+    model = distribute(parts.loss, fsdp, dist)
+    optimizer = make_optimizer(parts.loss.drafter, params, dist.device)
     decay = torch.tensor([params.step_decay**k for k in range(params.ttt_steps)], device=dist.device)
     dtype = torch.bfloat16 if dist.device.type == "cuda" else torch.float32
     # train_step reads params, dist, loss, model, optimizer and decay; inputs, plan and state belong to the
     # stage's data pipeline and checkpoints, which this benchmark replaces with one resident batch.
     unused: Any = None
     run = Run(params=params, paths=Paths(), dist=dist, inputs=unused, plan=unused, loss=parts.loss, model=model,
-              optimizer=parts.optimizer, state=unused, dtype=dtype, decay=decay)
+              optimizer=optimizer, state=unused, dtype=dtype, decay=decay)
     return lambda: train_step(run, [parts.batch], params.lr), parts.loss
 
 
@@ -373,7 +371,7 @@ def main_ranks(args: argparse.Namespace) -> None:
     g = GEOMETRIES[args.geometry]
     data = own_sample(random_data(g, dist.device), g, dist.rank)
     compiled = dist.device.type == "cuda" and not args.no_compile
-    step, loss = ours_ddp(g, data, dist, compiled)
+    step, loss = ours_ranks(g, data, dist, compiled, args.fsdp)
     before = HostSnapshot.take()
     result = measure(step, g, dist.device, args.warmup, args.seconds, args.peak_tflops * 1e12,
                      lambda more: all_agree(more, dist.device))
@@ -389,6 +387,7 @@ def main_ranks(args: argparse.Namespace) -> None:
             "benchmark": "train",
             "world_size": dist.world,
             "variant": "ours_compiled" if compiled else "ours_eager",
+            "parallel": "fsdp" if args.fsdp else "ddp",
             # DDP keeps ranks in step: each rank's median step covers the whole global batch
             "aggregate_tokens_per_s": round(sum(r["tokens_per_s"] for r in per_rank), 1),
             "global_batch_tokens": dist.world * g.seq,
@@ -425,6 +424,7 @@ def main() -> None:
     p.add_argument("--specforge", type=Path, help="a SpecForge checkout to compare against")
     p.add_argument("--profile", type=Path, help="also write torch.profiler's kernel table of ours (compiled "
                    "on a GPU) over 3 steps to this file")
+    p.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP instead of DDP (train.fsdp)")
     p.add_argument("--out", type=Path, help="JSON result file")
     args = p.parse_args()
     if under_torchrun():
