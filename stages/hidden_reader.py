@@ -40,8 +40,9 @@ class StatePlanes:
 
 def join_planes(top: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     """bf16 states [..., tokens, channels] from top [..., channels, tokens] and low [..., tokens,
-    channels] (uint8), on whatever device they are."""
-    return ((top.transpose(-1, -2).to(torch.int16) << 8) | low.to(torch.int16)).view(torch.bfloat16)
+    channels] (uint8), on whatever device they are; contiguous token-major (elementwise ops may
+    otherwise keep the channel-major strides of `top`, which every consumer would then pay for)."""
+    return ((top.transpose(-1, -2).to(torch.int16) << 8) | low.to(torch.int16)).view(torch.bfloat16).contiguous()
 
 
 def to_torch(sample: Sample) -> dict[str, torch.Tensor | StatePlanes]:

@@ -231,6 +231,7 @@ def test_stored_batch_joins_the_byte_planes_into_the_states_on_the_device(device
     batch = collate([stored(s) for s in samples], ttt_steps=2, max_seq_len=64, prompt_loss_weight=1.0).to(
         torch.device(device), torch.bfloat16)
     assert batch.aux.device.type == device and batch.aux.dtype == torch.bfloat16
+    assert batch.aux.is_contiguous() and batch.next_last.is_contiguous()  # token-major, as the kernels expect
     for i, s in enumerate(samples):
         n = len(s["input_ids"])
         assert torch.equal(batch.aux[i, : n - 1].cpu(), s["aux"][: n - 1])
