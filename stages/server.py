@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,6 +155,7 @@ def start(params: ServeParams, record: dict[str, Any], state_dir: Path = STATE_D
     state_dir.mkdir(parents=True, exist_ok=True)
     log_path = state_dir / "server.log"
     cmd = command or server_command(params, record, gpu)
+    unwind_on_sigterm()
     with open(log_path, "ab") as log:
         log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
         # Own session and process group: `stop` can end the server and every worker it spawned.
@@ -168,8 +170,19 @@ def start(params: ServeParams, record: dict[str, Any], state_dir: Path = STATE_D
     except ServerError as err:
         stop(state_dir)
         raise ServerError(f"{err}\n--- last lines of {log_path} ---\n{log_tail(log_path)}") from None
+    except BaseException:  # SIGTERM's SystemExit or Ctrl-C during start-up: no caller's `finally` yet
+        stop(state_dir)
+        raise
     print(f"serve: {state.url} is up after {time.time() - state.started_at:.0f}s", file=sys.stderr)
     return state
+
+
+def unwind_on_sigterm() -> None:
+    """SIGTERM (dvc, make or a job scheduler ending the stage) raises SystemExit, as Ctrl-C raises
+    KeyboardInterrupt, so the stage's `finally` stops the server it started: in its own session,
+    the server would otherwise outlive the stage and hold the port and the accelerators."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
 
 
 def running_server(state_dir: Path = STATE_DIR) -> ServerState | None:

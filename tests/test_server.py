@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
+import signal
+import socket
 import subprocess
+import sys
 import time
 
 import pytest
@@ -60,3 +64,36 @@ def test_generation_progress_read_from_its_files(tmp_path):
         "rate_per_s": 0.5, "eta_s": 14.0, "started_at": 0, "updated_at": 0}))
     line = progress_lines(tmp_path)[0]
     assert line.startswith("generate: interrupted: 3/10 prompts, 0.50 prompts/s") and "1 errors, 4 retries" in line
+
+
+def _stage_holding_a_server(state_dir, port: int, www) -> None:
+    """A stage as generate and evaluate run one: start the server, work, stop it in `finally`."""
+    command = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(www)]
+    server.start(server.ServeParams(port=port, startup_timeout_s=30), {"model_path": "/m"}, state_dir, command)
+    try:
+        time.sleep(120)  # killed before this ends
+    finally:
+        server.stop(state_dir)
+
+
+def test_a_stage_ended_by_sigterm_stops_the_server_it_started(tmp_path):
+    www = tmp_path / "www"
+    (www / "v1").mkdir(parents=True)
+    (www / "health").write_text("ok")
+    (www / "v1" / "models").write_text(json.dumps({"data": [{"id": "target"}]}))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    state_dir = tmp_path / "state"
+    stage = multiprocessing.get_context("fork").Process(target=_stage_holding_a_server, args=(state_dir, port, www))
+    stage.start()
+    deadline = time.monotonic() + 30
+    while server.running_server(state_dir) is None or server.port_free("127.0.0.1", port):
+        assert time.monotonic() < deadline and stage.is_alive(), "the fake server never came up"
+        time.sleep(0.2)
+    pid = server.running_server(state_dir).pid
+    os.kill(stage.pid, signal.SIGTERM)  # in start-up's health polling or in the work: both must stop it
+    stage.join(60)
+    assert stage.exitcode == 128 + signal.SIGTERM
+    assert not server.pid_alive(pid) and server.port_free("127.0.0.1", port)
+    assert server.running_server(state_dir) is None
