@@ -7,11 +7,10 @@ Variants, each time-boxed, on random bf16 weights (weights decide nothing about 
   (c) naive + gzip level 6 (SpecForge's --compress);
   (d) ours end to end: hooks on the needed layers, pinned async copies, byte planes + zstd in
       threads, shards on disk.
-Then the training side reads (d)'s store back the way the train stage does (batch_loader: decode
-and collate of one 2048-token sample per batch in reader threads, into pinned memory, byte planes joined
-into bf16 states on the GPU), with 1 and with
---reader-workers workers, for --seconds each; compared with the trainer's rate in
-benchmarks/results/train-h200.json when that file exists.
+Then the training side reads (d)'s store back the way the train stage does (batch_loader: read,
+decode and collate of one 2048-token sample per batch in reader threads, into pinned memory, byte
+planes joined into bf16 states on the GPU), with 1 and with --reader-workers threads, for --seconds
+each; compared with the trainer's rate in benchmarks/results/train-h200.json when that file exists.
 Usage: python benchmarks/extract_bench.py --out benchmarks/results/extract-h200.json  (GPU)
        python benchmarks/extract_bench.py --tiny                                    (CPU smoke)
 
@@ -214,7 +213,7 @@ def main() -> None:
                              device=device)
     results["reader_tokens_per_s_1_worker"] = read(1)
     results["reader_tokens_per_s"] = read(reader_workers)
-    # The same without pinning: the main process's pin-memory copy left out, pageable host-to-device copies
+    # The same collated into pageable memory: what page-locking buys the host-to-device copies
     results["reader_unpinned_tokens_per_s"] = read(reader_workers, pin=False)
     if TRAIN_RESULT.exists() and not args.tiny:  # the trainer's rate at 8B geometry
         trainer = json.loads(TRAIN_RESULT.read_text())["ours_tokens_per_s"]

@@ -5,8 +5,8 @@ fsync'd; only then are older ones deleted, so a crash at any moment leaves at le
 checkpoint. No pickle anywhere: the drafter's weights, the flattened AdamW state (both whole,
 keyed by parameter name, gathered from the ranks under FSDP) and the RNG states (uint8 tensors)
 go to `tensors.safetensors`; step, data position, the optimizer's hyper-parameters, the curves
-and the run's fingerprint go to `state.json`. The learning rate is
-a pure function of the step, so the step is the whole scheduler state.
+and the run's fingerprint go to `state.json`. The learning rate is a pure function of the step,
+so the step is the whole scheduler state.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -71,17 +70,13 @@ def saved_fingerprint(path: Path) -> str:
     return json.loads((path / STATE_FILE).read_text())["fingerprint"]
 
 
-def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Tensor], dict[str, Any]]:
-    """The model's and optimizer's whole state on the CPU, keyed by parameter name. A collective
-    under FSDP (every rank calls it; rank 0 gets the gathered tensors, the others empty dicts)."""
-    return get_model_state_dict(model, options=GATHER), get_optimizer_state_dict(model, optimizer, options=GATHER)
-
-
 def save_checkpoint(run_dir: Path, state: RunState, model: nn.Module, optimizer: torch.optim.Optimizer,
                     write: bool = True) -> Path | None:
     """Writes the checkpoint of `state.step` atomically, then deletes all others. Every rank calls
-    it (the state is gathered from all of them); only the one with `write` writes."""
-    weights, opt = full_state(model, optimizer)
+    it (a collective under FSDP: rank 0 gets the gathered tensors, the others empty dicts); only
+    the one with `write` writes."""
+    weights = get_model_state_dict(model, options=GATHER)
+    opt = get_optimizer_state_dict(model, optimizer, options=GATHER)
     if not write:
         return None
     tensors = {f"model.{name}": t for name, t in weights.items()}
