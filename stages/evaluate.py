@@ -141,7 +141,7 @@ def offline_eval(params: EvaluateParams, record: dict, tokenizer: Any, items: li
     one round at a time, tested); at T>0 every answer is decoded with rejection sampling."""
     from transformers import AutoModelForCausalLM
 
-    target = AutoModelForCausalLM.from_pretrained(record["model_path"], dtype=torch.float32).eval()
+    target = AutoModelForCausalLM.from_pretrained(record["model_path"], dtype=getattr(torch, record["dtype"])).eval()
     drafter = load_drafter(paths.drafter)
     drafter.d2t = torch.from_numpy(np.load(paths.vocab / "d2t.npy"))  # the map it was trained with
     aux_ids = json.loads(paths.manifest.read_text())["aux_layer_ids"]

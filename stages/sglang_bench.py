@@ -57,8 +57,8 @@ class BenchParams:
     throughput_prompts: int = 8
     measure_baseline: bool = True
     port: int = 8020
-    # SGLang's CUDA attention back ends are built for 16-bit inputs; a float32 target (the embedded
-    # default) is served in bf16 here, so acceptance can differ a little from vLLM-CPU's float32 run.
+    # SGLang's CUDA attention back ends are built for 16-bit inputs: a float32 target is served in
+    # bf16 here, so its acceptance can differ a little from a float32 vLLM run.
     dtype: str = "bfloat16"
 
     @classmethod

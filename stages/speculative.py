@@ -42,6 +42,7 @@ class SpecDecoder:
         self.target, self.drafter, self.k, self.temperature = target, drafter, k, temperature
         self.capture = Capture(target, aux_ids)
         self.embedding = target.get_input_embeddings().weight
+        drafter.model.to(self.embedding.dtype)  # the engine runs the drafter in the target's dtype too
         self.draft_to_target = torch.arange(drafter.d2t.numel()) + drafter.d2t
         self.generator = generator
 

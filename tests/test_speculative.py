@@ -40,6 +40,20 @@ def test_greedy_output_equals_plain_target_decoding(embedded_target, tokenizer):
             assert stats.rounds > 0 and 1.0 <= stats.acceptance_length() <= k + 1
 
 
+def test_bf16_target_runs_the_fp32_drafter_in_bf16_as_the_engine_does(embedded_target, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(embedded_target[0], dtype=torch.bfloat16).eval()
+    drafter = random_drafter(target.config, [2, 15, 27], torch.arange(4096))
+    decoder = SpecDecoder(target, drafter, [2, 15, 27], 3, temperature=0.0)
+    assert {p.dtype for p in drafter.model.parameters()} == {torch.bfloat16}
+    prompt = render(tokenizer, [{"role": "user", "content": "Name three colours."}], generation_prompt=True)
+    ids, stats = decoder.generate(prompt, 16, {tokenizer.convert_tokens_to_ids("<|im_end|>")})
+    assert len(ids) == 16 and 1.0 <= stats.acceptance_length() <= 4
+    replayed = decoder.replay(prompt, ids, stop=len(ids))
+    assert replayed.generated == 16 and 1.0 <= replayed.acceptance_length() <= 4
+
+
 def test_perfect_drafter_is_always_accepted(embedded_target, tokenizer, monkeypatch):
     """A drafter that proposes the target's own greedy tokens reaches acceptance length k + 1."""
     from transformers import AutoModelForCausalLM

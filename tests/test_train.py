@@ -335,6 +335,25 @@ def test_run_learns_reports_per_step_metrics_and_writes_a_valid_drafter(trained)
     assert torch.equal(saved["d2t"], torch.from_numpy(np.load(paths.vocab / "d2t.npy")))
 
 
+def test_cpu_bf16_runs_the_drafter_in_bf16_and_learns_as_fp32_does(trained, workspace, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    seen: set[torch.dtype] = set()
+    original = Drafter.step
+
+    def step(self, embeds, hidden, position_ids, cache):
+        out = original(self, embeds, hidden, position_ids, cache)
+        seen.add(cache.values[-1].dtype)  # the v_proj output: a matmul under the autocast
+        return out
+
+    monkeypatch.setattr(Drafter, "step", step)
+    record = train(small_params(cpu_bf16=True), paths_for(workspace, tmp_path))
+    assert seen == {torch.bfloat16}
+    fp32 = trained[1]["final"]
+    assert record["final"]["train"]["top1"][0] > 0.15
+    assert abs(record["final"]["train"]["loss"][0] - fp32["train"]["loss"][0]) < 0.1 * fp32["train"]["loss"][0]
+    assert validate(paths_for(workspace, tmp_path).out, LAYERS, HIDDEN, VOCAB) == []
+
+
 def test_rerun_resumes_at_the_end_without_training(trained, tmp_path, monkeypatch):
     paths, _ = trained
     monkeypatch.chdir(tmp_path)
