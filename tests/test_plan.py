@@ -3,7 +3,6 @@ and the honest check: calibrated on the CPU run alone, how far off are its H200 
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -219,6 +218,9 @@ def test_cpu_run_predicts_h200_benchmarks_within_stated_factor():
     except CalibrationError as err:
         pytest.skip(f"metrics/ cannot calibrate this yet: {err}")
     assert_within_factor(ratios)
+
+
+# ------------------------------------------------------------------------------------------ CLI
 
 
 def test_plan_prints_one_screen_and_a_plot(tmp_path, capsys):
