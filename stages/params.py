@@ -67,7 +67,7 @@ def _matches(value: Any, hint: Any) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if hint is int:
         return isinstance(value, int) and not isinstance(value, bool)
-    return hint is Any or isinstance(value, hint)
+    return isinstance(value, hint)
 
 
 def load_section(section: str, cls: type[T], path: Path = PARAMS_FILE) -> T:
