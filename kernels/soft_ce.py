@@ -13,7 +13,8 @@ nothing [N, Vd] is kept, peak extra memory is O(chunk_size * Vd), no logits are 
 the head's gradient of all steps is summed in one fp32 buffer and returned in the master
 weights' dtype. Positions with weight 0 are skipped. Matmuls run in the input (or autocast)
 dtype, softmax and CE math in fp32; on CUDA the per-row softmax / CE / argmax / dlogits work is
-one Triton kernel, and the head gradient is accumulated by cuBLAS directly in fp32.
+one Triton kernel, and the head gradient is accumulated by cuBLAS directly in fp32; on CPU the
+target's softmax and argmax are computed once per chunk for all K steps.
 
 `ttt_soft_cross_entropy_reference` computes the same with plain autograd, one whole step at a time.
 """
@@ -52,7 +53,8 @@ def ttt_soft_cross_entropy(
     step k pairs anchor t with column t+k. loss[k] = sum_t weight * CE(p, q_k), hits[k] = sum_t
     weight * [argmax q_k == argmax p]; objective = sum_k step_scale[k] * loss[k] carries the
     gradient, loss and hits carry none. Gradients come back in the inputs' dtypes (fp32 master
-    weights stay fp32: no rounded bf16 gradient is ever formed).
+    weights get an fp32 head gradient, summed over chunks in fp32; on CUDA no rounded bf16 head
+    gradient is ever formed, on CPU each chunk's is, as under autocast's autograd).
     """
     steps = len(draft_hidden)
     _check_shapes(draft_hidden, draft_head, target_hidden, target_head, weight, step_scale)
@@ -133,15 +135,24 @@ def _matmul_dtype(hidden: Tensor, head: Tensor) -> torch.dtype:
     return torch.promote_types(hidden.dtype, head.dtype)
 
 
+def _target_rows(target_logits: Tensor) -> tuple[Tensor, Tensor]:
+    """(p, argmax p) of one chunk in fp32: computed once, they serve all K steps."""
+    p = target_logits.float().softmax(dim=-1)
+    return p, p.argmax(dim=-1)
+
+
 def _chunk_terms(
-    target_logits: Tensor, draft_logits: Tensor, weight: Tensor, grad_scale: Tensor
+    target: tuple[Tensor, Tensor], draft_logits: Tensor, weight: Tensor, grad_scale: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(weighted CE sum, weighted hit count) in fp32 and grad_scale * dlogits in the logits' dtype,
-    one chunk; grad_scale is a one-element tensor."""
-    p = target_logits.float().softmax(dim=-1)
+    one chunk; `target` is `_target_rows` of the chunk; grad_scale is a one-element tensor."""
+    p, target_argmax = target
     log_q = draft_logits.float().log_softmax(dim=-1)
     loss = (weight * -(p * log_q).sum(dim=-1)).sum()
-    hits = (weight * (draft_logits.argmax(dim=-1) == target_logits.argmax(dim=-1)).float()).sum()
+    # A hit: the draft's top logit sits at the target's argmax. amax + gather, because a CPU
+    # argmax over [chunk, Vd] costs 25x an amax (bf16: 60x); they differ only on exact draft ties.
+    hit = log_q.gather(1, target_argmax[:, None]).squeeze(1) >= log_q.amax(dim=-1)
+    hits = (weight * hit.float()).sum()
     dlogits = (weight * grad_scale)[:, None] * (log_q.exp() - p)
     return loss, hits, dlogits.to(draft_logits.dtype)
 
@@ -223,12 +234,16 @@ def _chunk_terms_triton(
 
 def _accumulate_matmul(acc: Tensor, a: Tensor, b: Tensor) -> None:
     """acc += a @ b with acc fp32 and a, b possibly bf16/fp16."""
-    if a.is_cuda and a.dtype != acc.dtype:
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif a.is_cuda:
         # cuBLAS accumulates straight into the fp32 buffer: no rounded [Vd, H] bf16 product and
         # no separate add pass (H200, Vd 32000, H 4096, 1024 rows: 0.55 ms against 0.83 ms).
         torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
     else:
-        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+        # CPUs have no fp32-output bf16 matmul, and an fp32 one costs 2x a bf16 one: each chunk's
+        # product is rounded to bf16 before the fp32 sum, as autocast's autograd does for every weight.
+        acc.add_(a @ b)
 
 
 class _ChunkedTTTSoftCE(torch.autograd.Function):
@@ -264,11 +279,14 @@ class _ChunkedTTTSoftCE(torch.autograd.Function):
         # Unsupervised columns contribute nothing to loss, hits or gradients: skip their matmuls
         # (worth the one host sync nonzero() costs: prompt rows are often half of a batch).
         supervised = weights.nonzero().squeeze(1)
-        chunk_terms = _chunk_terms_triton if device.type == "cuda" else _chunk_terms
+        on_cuda = device.type == "cuda"
+        chunk_terms = _chunk_terms_triton if on_cuda else _chunk_terms
         for start in range(0, supervised.numel(), chunk_size):
             cols = supervised[start : start + chunk_size]
-            # The target's distribution at these columns, computed once for all K steps.
+            # The target's distribution at these columns, computed once for all K steps (the
+            # Triton kernel reads the logits; its per-row softmax is cheaper than a stored p).
             target_logits = targets[cols] @ target_head.T
+            target = target_logits if on_cuda else _target_rows(target_logits)
             row, col = cols // columns, cols % columns
             for k in range(steps):
                 anchor = col - k
@@ -277,7 +295,7 @@ class _ChunkedTTTSoftCE(torch.autograd.Function):
                 pair_hidden = hidden[k][read]
                 # dlogits come scaled by step_scale[k]: one fp32 head gradient sums all steps
                 step_loss, step_hits, dlogits = chunk_terms(
-                    target_logits, pair_hidden @ head.T, weights[cols] * inside, step_scale[k : k + 1]
+                    target, pair_hidden @ head.T, weights[cols] * inside, step_scale[k : k + 1]
                 )
                 losses[k] += step_loss
                 hits[k] += step_hits

@@ -265,7 +265,7 @@ def test_soft_ce_under_autocast_uses_bf16_matmuls_and_fp32_master_grads():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton row kernel is CUDA-only")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_soft_ce_cuda_row_kernel_matches_torch(dtype):
-    from kernels.soft_ce import _chunk_terms, _chunk_terms_triton
+    from kernels.soft_ce import _chunk_terms, _chunk_terms_triton, _target_rows
 
     g = torch.Generator().manual_seed(0)
     rows, vocab = 300, 10000  # several 4096-wide blocks, the last one partial
@@ -277,7 +277,7 @@ def test_soft_ce_cuda_row_kernel_matches_torch(dtype):
     weight[::3] = 0
     args = (target.to("cuda", dtype), draft.to("cuda", dtype), weight.cuda(), torch.tensor([0.3], device="cuda"))
     loss, hits, dlogits = _chunk_terms_triton(*args)
-    want_loss, want_hits, want_dlogits = _chunk_terms(*args)
+    want_loss, want_hits, want_dlogits = _chunk_terms(_target_rows(args[0]), *args[1:])
     torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-4)
     assert hits.item() == pytest.approx(want_hits.item()) and want_hits.item() >= weight[1] + weight[2] - 1e-6
     assert dlogits.dtype == dtype
