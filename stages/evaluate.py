@@ -28,7 +28,7 @@ from stages import server
 from stages.atomic import atomic_write_json
 from stages.checkpoint import load_drafter, read_checkpoint
 from stages.extract import Capture
-from stages.generate import render
+from stages.prompts import render
 from stages.metrics import write_metrics
 from stages.params import load_section
 from stages.progress import Progress

@@ -1,5 +1,7 @@
 """Stage `extract`: the target's hidden states for every response, into the shard store.
 
+Also for every conversation the prompts stage kept with its dataset answer (all positions context).
+
 One forward of the target over prompt + completion per sample, with forward hooks on exactly
 the layers the drafter needs: the aux layers (vLLM's ids: id X = output of decoder layer X-1,
 0 = the embedding output) and the last decoder layer's output before the final norm (what an
@@ -17,6 +19,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +38,7 @@ from stages.server import require_accelerators_free
 from stages.target import load_record, sha256_files
 
 RESPONSES = Path("artifacts/responses/responses.parquet")
+ANSWERED = Path("artifacts/prompts/answered.parquet")  # conversations that keep the dataset's answer
 TARGET_DIR = Path("artifacts/target")
 WORK_DIR = Path("run/extract")
 OUT = Path("artifacts/hidden")
@@ -67,27 +71,47 @@ class Sample:
     loss_mask: np.ndarray  # uint8 [T], 1 on generated tokens
 
 
-def load_samples(responses: Path, tokenizer: Any, vocab_size: int, params: ExtractParams) -> tuple[list[Sample], dict]:
-    """Responses as token sequences, refusing ones rendered with another tokenizer or template."""
-    from stages.generate import render
+def token_rows(responses: Path, answered: Path | None, tokenizer: Any) -> Iterator[tuple[Path, str, list[int], int]]:
+    """(file, sample id, token ids, how many of them were generated) of every response and every
+    conversation with a dataset answer, refusing rows rendered with another tokenizer or template."""
+    from stages.prompts import render
 
-    samples, counts = [], {"truncated": 0, "skipped": 0}
     table = pq.read_table(responses, columns=["id", "messages", "prompt_token_ids", "completion_token_ids"])
     for row in table.to_pylist():
-        prompt, completion = row["prompt_token_ids"], row["completion_token_ids"]
+        prompt = row["prompt_token_ids"]
         if render(tokenizer, json.loads(row["messages"]), generation_prompt=True) != prompt:
             raise ExtractError(f"{responses}: response {row['id']} was not rendered with artifacts/target's tokenizer "
                                "and chat template (its prompt ids differ); regenerate the responses")
-        ids = np.asarray(prompt + completion, dtype=np.int64)
+        yield responses, row["id"], prompt + row["completion_token_ids"], len(row["completion_token_ids"])
+    if answered is None:
+        return
+    if not answered.is_file():
+        raise ExtractError(f"{answered}: not found; rerun the prompts stage (it writes it, empty without "
+                           "prompts.dataset_answers)")
+    for row in pq.read_table(answered, columns=["id", "messages", "token_ids"]).to_pylist():
+        ids = row["token_ids"]
+        if render(tokenizer, json.loads(row["messages"]), generation_prompt=False)[: len(ids)] != ids:
+            raise ExtractError(f"{answered}: conversation {row['id']} was not rendered with artifacts/target's "
+                               "tokenizer and chat template (its ids differ); rerun the prompts stage")
+        yield answered, row["id"], ids, 0
+
+
+def load_samples(responses: Path, answered: Path | None, tokenizer: Any, vocab_size: int,
+                 params: ExtractParams) -> tuple[list[Sample], dict]:
+    """Token sequences with a loss mask on the generated tokens (none for dataset answers)."""
+    samples, counts = [], {"truncated": 0, "skipped": 0, "dataset_answer_samples": 0}
+    for path, sample_id, token_ids, generated in token_rows(responses, answered, tokenizer):
+        ids = np.asarray(token_ids, dtype=np.int64)
         if ids.max(initial=0) >= vocab_size:
-            raise ExtractError(f"{responses}: response {row['id']} has token id {ids.max()} >= vocab size {vocab_size}")
-        mask = np.concatenate([np.zeros(len(prompt), np.uint8), np.ones(len(completion), np.uint8)])
+            raise ExtractError(f"{path}: row {sample_id} has token id {ids.max()} >= vocab size {vocab_size}")
+        mask = np.concatenate([np.zeros(len(ids) - generated, np.uint8), np.ones(generated, np.uint8)])
+        counts["dataset_answer_samples"] += path == answered
         if len(ids) > params.max_seq_len:
             counts["truncated" if params.over_length == "truncate" else "skipped"] += 1
             if params.over_length == "skip":
                 continue
             ids, mask = ids[: params.max_seq_len], mask[: params.max_seq_len]
-        samples.append(Sample(row["id"], ids.astype(np.int32), mask))
+        samples.append(Sample(sample_id, ids.astype(np.int32), mask))
     return samples, counts
 
 
@@ -163,8 +187,8 @@ def store_batch(writer: ShardWriter, batch: list[Sample], aux: torch.Tensor, las
                                "last": last[row, :n].view(torch.int16).numpy().view(np.uint16)})
 
 
-def fingerprint(record: dict, aux_ids: list[int], params: ExtractParams, responses: Path) -> str:
-    key = {"weights": record["weights_hash"], "aux": aux_ids, "responses": sha256_files([responses]),
+def fingerprint(record: dict, aux_ids: list[int], params: ExtractParams, inputs: list[Path]) -> str:
+    key = {"weights": record["weights_hash"], "aux": aux_ids, "responses": sha256_files(inputs),
            "max_seq_len": params.max_seq_len, "over_length": params.over_length, "level": params.zstd_level}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -204,13 +228,13 @@ def pick_device(params: ExtractParams, rank: int) -> torch.device:
 
 
 def run_extraction(params: ExtractParams, record: dict, tokenizer: Any, responses: Path = RESPONSES,
-                   out: Path = OUT, work_root: Path = WORK_DIR) -> dict[str, Any]:
+                   out: Path = OUT, work_root: Path = WORK_DIR, answered: Path | None = None) -> dict[str, Any]:
     if params.over_length not in OVER_LENGTH:
         raise ExtractError(f"extract.over_length={params.over_length!r}: expected one of {', '.join(OVER_LENGTH)}")
     rank, world = distributed()
     aux_ids = resolve_aux_ids(params, record)
-    samples, counts = load_samples(responses, tokenizer, record["vocab_size"], params)
-    work = work_root / fingerprint(record, aux_ids, params, responses)
+    samples, counts = load_samples(responses, answered, tokenizer, record["vocab_size"], params)
+    work = work_root / fingerprint(record, aux_ids, params, [responses] + ([answered] if answered else []))
     by_id = {s.id: s for s in samples}
     share = rank_todo([s.id for s in samples], set(), rank, world)
     todo = [by_id[i] for i in rank_todo([s.id for s in samples], completed_sample_ids(work), rank, world)]
@@ -273,7 +297,7 @@ def main() -> None:
     params = load_section("extract", ExtractParams)
     record = load_record(TARGET_DIR)
     try:
-        summary = run_extraction(params, record, AutoTokenizer.from_pretrained(TARGET_DIR))
+        summary = run_extraction(params, record, AutoTokenizer.from_pretrained(TARGET_DIR), answered=ANSWERED)
     except (ExtractError, StoreWriteError) as err:
         sys.exit(f"extract: {err}")
     if "samples" not in summary:  # not rank 0

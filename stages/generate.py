@@ -28,6 +28,7 @@ from stages.atomic import atomic_dir, atomic_write_bytes, atomic_write_json, par
 from stages.metrics import write_metrics
 from stages.params import load_section
 from stages.progress import Progress, format_duration
+from stages.prompts import render
 from stages.target import load_record
 
 WORK_DIR = Path("run/generate")
@@ -93,11 +94,6 @@ class Context:
     client: httpx.AsyncClient
     counters: Counters
     semaphore: asyncio.Semaphore
-
-
-def render(tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool) -> list[int]:
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True,
-                                              return_dict=True)["input_ids"])
 
 
 def backoff_s(attempt: int, params: GenerateParams) -> float:

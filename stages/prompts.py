@@ -1,5 +1,10 @@
 """Stage `prompts`: the training prompts the target will answer and the evaluation questions.
 
+Also, when `dataset_answers` > 0, conversations that keep the dataset's own answer
+(`answered.parquet`, rendered token ids): the extract stage stores their target states like the
+responses', every position as context, and the trainer weighs them by `train.prompt_loss_weight`
+(the target's distribution is the teacher there too). They cost no generation.
+
 Rows come from the embedded ShareGPT package, an HF dataset (through `datasets`) or a local
 jsonl/parquet with OpenAI-style `messages` or ShareGPT-style `conversations`. Every row that is
 not kept is counted under a reason with its location, so nothing vanishes silently.
@@ -54,6 +59,12 @@ class PromptsParams:
     max_prompt_tokens: int = 1024
     dedupe: bool = True
     multi_turn: str = "first_user"
+    dataset_answers: int = 0  # further conversations trained on with the dataset's own answer (no generation)
+    dataset_answer_max_tokens: int = 640  # each such conversation's rendered tokens are cut here
+
+
+ANSWERED_SCHEMA = pa.schema([("id", pa.string()), ("messages", pa.string()), ("token_ids", pa.list_(pa.int32())),
+                             ("num_prompt_tokens", pa.int64()), ("source", pa.string()), ("origin", pa.string())])
 
 
 @dataclass
@@ -73,6 +84,8 @@ class DropLog:
 
 # Row = (location for messages, parsed object or the parse error).
 Row = tuple[str, Any]
+# Usable = (location, messages kept by the multi-turn policy, the whole conversation).
+Usable = tuple[str, list[dict[str, str]], list[dict[str, str]]]
 
 
 def package_file(package: str, relative: str) -> Path:
@@ -183,16 +196,26 @@ def apply_policy(messages: list[dict[str, str]], policy: str) -> list[dict[str, 
     return kept
 
 
+def with_dataset_answer(conversation: list[dict[str, str]], kept: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The kept context through the dataset's answer to its last user turn."""
+    last_user = max(i for i, m in enumerate(kept) if m["role"] == "user")
+    answer = conversation[last_user + 1] if last_user + 1 < len(conversation) else None
+    if answer is None or answer["role"] != "assistant" or not answer["content"].strip():
+        raise RowError("no_dataset_answer")
+    return conversation[: last_user + 2]
+
+
 def prompt_id(messages: list[dict[str, str]]) -> str:
     canonical = json.dumps(messages, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
 
 
-def usable_rows(rows: Iterator[Row], policy: str, dedupe: bool, log: DropLog) -> list[tuple[str, list[dict]]]:
+def usable_rows(rows: Iterator[Row], policy: str, dedupe: bool, log: DropLog) -> list[Usable]:
     usable, seen = [], set()
     for where, obj in rows:
         try:
-            messages = apply_policy(normalize_messages(obj), policy)
+            conversation = normalize_messages(obj)
+            messages = apply_policy(conversation, policy)
         except RowError as err:
             log.drop(str(err).split(":")[0], f"{where}: {err}")
             continue
@@ -201,34 +224,53 @@ def usable_rows(rows: Iterator[Row], policy: str, dedupe: bool, log: DropLog) ->
             log.drop("duplicate", where)
             continue
         seen.add(pid)
-        usable.append((where, messages))
+        usable.append((where, messages, conversation))
     return usable
+
+
+def render(tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool) -> list[int]:
+    """Token ids of messages through the target's chat template (the one rendering every stage uses)."""
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True,
+                                              return_dict=True)["input_ids"])
 
 
 def count_prompt_tokens(tokenizer: Any, messages: list[dict[str, str]]) -> int:
     context = messages if messages[-1]["role"] == "user" else messages[:-1]
-    return len(tokenizer.apply_chat_template(context, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+    return len(render(tokenizer, context, generation_prompt=True))
 
 
-def sample_train(params: PromptsParams, tokenizer: Any, log: DropLog) -> list[dict[str, Any]]:
-    """Deterministic for a seed: shuffle the usable rows, keep the first that fit the token budget."""
+def sample_train(params: PromptsParams, tokenizer: Any, log: DropLog) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(prompts the target answers, conversations with the dataset's answers), deterministic for a seed:
+    shuffle the usable rows; the first that fit the token budget are prompts, the next ones with an
+    answer keep it. A row serves one role only."""
     usable = usable_rows(iter_source(params.source, params.split), params.multi_turn, params.dedupe, log)
     if not usable:
         raise PromptsError(f"prompts.source={params.source!r}: zero usable rows (dropped: {dict(log.counts)})")
     order = list(range(len(usable)))
     random.Random(params.seed).shuffle(order)
-    kept = []
+    kept, answered = [], []
     for index in order:
-        if len(kept) == params.num_samples:
+        if len(kept) == params.num_samples and len(answered) == params.dataset_answers:
             break
-        where, messages = usable[index]
+        where, messages, conversation = usable[index]
         num_tokens = count_prompt_tokens(tokenizer, messages)
         if num_tokens > params.max_prompt_tokens:
             log.drop("too_long", f"{where}: {num_tokens} tokens")
             continue
-        kept.append({"id": prompt_id(messages), "messages": json.dumps(messages, ensure_ascii=False),
-                     "num_prompt_tokens": num_tokens, "source": params.source, "origin": where})
-    return kept
+        if len(kept) < params.num_samples:
+            kept.append({"id": prompt_id(messages), "messages": json.dumps(messages, ensure_ascii=False),
+                         "num_prompt_tokens": num_tokens, "source": params.source, "origin": where})
+            continue
+        try:
+            dialogue = with_dataset_answer(conversation, messages)
+        except RowError as err:
+            log.drop(str(err), where)
+            continue
+        token_ids = render(tokenizer, dialogue, generation_prompt=False)[: params.dataset_answer_max_tokens]
+        answered.append({"id": prompt_id(dialogue), "messages": json.dumps(dialogue, ensure_ascii=False),
+                         "token_ids": token_ids, "num_prompt_tokens": num_tokens, "source": params.source,
+                         "origin": where})
+    return kept, answered
 
 
 def load_eval(params: PromptsParams, log: DropLog) -> list[dict[str, Any]]:
@@ -255,9 +297,11 @@ def load_eval(params: PromptsParams, log: DropLog) -> list[dict[str, Any]]:
 def check_params(params: PromptsParams) -> None:
     if params.multi_turn not in MULTI_TURN_POLICIES:
         raise PromptsError(f"prompts.multi_turn={params.multi_turn!r}: expected one of {', '.join(MULTI_TURN_POLICIES)}")
-    for name in ("num_samples", "num_eval_samples", "max_prompt_tokens"):
+    for name in ("num_samples", "num_eval_samples", "max_prompt_tokens", "dataset_answer_max_tokens"):
         if getattr(params, name) <= 0:
             raise PromptsError(f"prompts.{name}={getattr(params, name)}: expected a positive number")
+    if params.dataset_answers < 0:
+        raise PromptsError(f"prompts.dataset_answers={params.dataset_answers}: expected 0 or more")
 
 
 def build(params: PromptsParams, target_dir: Path = TARGET_DIR, out: Path = OUT) -> dict[str, Any]:
@@ -266,12 +310,14 @@ def build(params: PromptsParams, target_dir: Path = TARGET_DIR, out: Path = OUT)
     check_params(params)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     log = DropLog()
-    train = sample_train(params, tokenizer, log)
+    train, answered = sample_train(params, tokenizer, log)
     evaluation = load_eval(params, log)
     stats = {"kept": len(train), "eval": len(evaluation), "requested": params.num_samples,
-             "prompt_tokens": sum(r["num_prompt_tokens"] for r in train), **log.as_dict()}
+             "prompt_tokens": sum(r["num_prompt_tokens"] for r in train), "dataset_answers": len(answered),
+             "dataset_answer_tokens": sum(len(r["token_ids"]) for r in answered), **log.as_dict()}
     with atomic_dir(out) as tmp:
         pq.write_table(pa.Table.from_pylist(train), tmp / "train.parquet")
+        pq.write_table(pa.Table.from_pylist(answered, schema=ANSWERED_SCHEMA), tmp / "answered.parquet")
         pq.write_table(pa.Table.from_pylist(evaluation), tmp / "eval.parquet")
         atomic_write_json(tmp / "stats.json", stats)
     return stats
@@ -285,13 +331,18 @@ def main() -> None:
     except PromptsError as err:
         sys.exit(f"prompts: {err}")
     wall = time.monotonic() - start
-    write_metrics("prompts", wall, items=stats["kept"], tokens=stats["prompt_tokens"],
-                  eval_items=stats["eval"], dropped=stats["dropped"])
+    write_metrics("prompts", wall, items=stats["kept"], tokens=stats["prompt_tokens"], eval_items=stats["eval"],
+                  dataset_answers=stats["dataset_answers"], dataset_answer_tokens=stats["dataset_answer_tokens"],
+                  dropped=stats["dropped"])
     if stats["kept"] < params.num_samples:
         print(f"prompts: only {stats['kept']} of {params.num_samples} requested prompts are usable", file=sys.stderr)
+    if stats["dataset_answers"] < params.dataset_answers:
+        print(f"prompts: only {stats['dataset_answers']} of {params.dataset_answers} requested conversations with "
+              "dataset answers are usable", file=sys.stderr)
     for reason, examples in stats["examples"].items():
         print(f"prompts: dropped {stats['dropped'][reason]} ({reason}), e.g. {examples[0]}", file=sys.stderr)
-    print(f"prompts: kept {stats['kept']} train prompts ({stats['prompt_tokens']} tokens) and {stats['eval']} eval "
+    print(f"prompts: kept {stats['kept']} train prompts ({stats['prompt_tokens']} tokens), {stats['dataset_answers']} "
+          f"conversations with dataset answers ({stats['dataset_answer_tokens']} tokens) and {stats['eval']} eval "
           f"questions, dropped {sum(stats['dropped'].values())}, {wall:.1f}s -> {OUT}")
 
 

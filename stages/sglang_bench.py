@@ -137,7 +137,7 @@ async def answer_all(url: str, tokenizer: Any, items: list[dict], params: BenchP
                      concurrency: int) -> list[dict[str, Any]]:
     """Every question's turns (later turns continue the engine's own answers); each response's meta_info."""
     from stages.evaluate import conversation
-    from stages.generate import render
+    from stages.prompts import render
 
     limit, metas = asyncio.Semaphore(concurrency), []
     async with httpx.AsyncClient() as client:

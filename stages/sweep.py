@@ -47,6 +47,8 @@ def point(data: dict[str, Any]) -> dict[str, Any] | None:
     if evaluate.get("vllm_acceptance_length") is None and evaluate.get("offline_acceptance_length") is None:
         return None
     return {"generated_tokens": generate.get("generated_tokens"), "responses": generate.get("responses"),
+            "dataset_answer_tokens": metrics.get("metrics/prompts.json", {}).get("dataset_answer_tokens", 0),
+            "store_tokens": metrics.get("metrics/extract.json", {}).get("tokens"),
             "train_tokens": metrics.get("metrics/train.json", {}).get("total_tokens"),
             "offline_acceptance_length": evaluate.get("offline_acceptance_length"),
             "vllm_acceptance_length": evaluate.get("vllm_acceptance_length"),

@@ -319,6 +319,9 @@ def make_plan(params: TrainParams, store: HiddenStore) -> Plan:
     heldout = np.array([is_heldout(s, params.eval_fraction) for s in store.sample_ids], dtype=bool)
     # One anchor needs two tokens; a sample without generated tokens teaches nothing at prompt weight 0.
     useful = (lengths >= 2) & ((store.num_loss_tokens > 0) | (params.prompt_loss_weight > 0))
+    if idle := int(((lengths >= 2) & ~useful).sum()):
+        print(f"train: {idle} samples without generated tokens (conversations with dataset answers) are skipped: "
+              "train.prompt_loss_weight=0 weighs their every position 0", file=sys.stderr)
     train_rows = np.flatnonzero(useful & ~heldout)
     heldout_rows = sorted(np.flatnonzero(useful & heldout), key=lambda r: -lengths[r])
     epochs = [

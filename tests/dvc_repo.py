@@ -46,6 +46,7 @@ def init_copy(dst: Path, env: dict, num_samples: int = 20) -> tuple[Path, dict]:
     sh(["dvc", "config", "--local", "core.site_cache_dir", str(dst.parent / f"{dst.name}-site-cache")], work, env)
     params = yaml.safe_load((work / "params.yaml").read_text())
     params["prompts"]["num_samples"] = num_samples
+    params["prompts"]["dataset_answers"] = num_samples // 2
     write_params(work, params)
     return work, params
 

@@ -11,7 +11,7 @@ import torch
 
 from stages import extract
 from stages.extract import ExtractError, ExtractParams, run_extraction
-from stages.generate import render
+from stages.prompts import render
 from stages.hidden_reader import HiddenStore, to_torch
 
 TEXTS = ["What is the capital of France?", "Write two lines about the sea.", "Count to five.",
@@ -33,11 +33,21 @@ def responses(tmp_path_factory, tokenizer):
     return path
 
 
-def run(embedded_target, tokenizer, responses, tmp_path, **overrides):
+def run(embedded_target, tokenizer, responses, tmp_path, answered=None, **overrides):
     params = ExtractParams(**{"compress_threads": 1, **overrides})
     summary = run_extraction(params, embedded_target[1], tokenizer, responses=responses, out=tmp_path / "hidden",
-                             work_root=tmp_path / "work")
+                             work_root=tmp_path / "work", answered=answered)
     return summary, HiddenStore(tmp_path / "hidden")
+
+
+def answered_file(tokenizer, path, conversations):
+    """Conversations kept with their dataset answers, as the prompts stage writes them."""
+    from stages.prompts import ANSWERED_SCHEMA
+
+    rows = [{"id": f"a{i}", "messages": json.dumps(c), "token_ids": render(tokenizer, c, generation_prompt=False),
+             "num_prompt_tokens": 0, "source": "test", "origin": f"row {i}"} for i, c in enumerate(conversations)]
+    pq.write_table(pa.Table.from_pylist(rows, schema=ANSWERED_SCHEMA), path)
+    return path
 
 
 def test_captures_the_aux_layers_and_the_pre_norm_last_state(embedded_target, tokenizer, responses, tmp_path):
@@ -113,3 +123,31 @@ def test_responses_from_another_tokenizer_are_refused(embedded_target, tokenizer
 def test_aux_ids_out_of_range(embedded_target, tokenizer, responses, tmp_path):
     with pytest.raises(ExtractError, match=r"aux_layer_ids=\[2, 15, 31\]: expected increasing ids in 0..30"):
         run(embedded_target, tokenizer, responses, tmp_path, aux_layer_ids=[2, 15, 31])
+
+
+def test_dataset_answers_are_stored_as_context(embedded_target, tokenizer, responses, tmp_path):
+    conversations = [[{"role": "user", "content": t}, {"role": "assistant", "content": "A dataset answer."}]
+                     for t in TEXTS[:2]]
+    answered = answered_file(tokenizer, tmp_path / "answered.parquet", conversations)
+    summary, store = run(embedded_target, tokenizer, responses, tmp_path, answered=answered)
+    assert summary["samples"] == len(TEXTS) + 2 and summary["dataset_answer_samples"] == 2
+    assert store.manifest["dataset_answer_samples"] == 2
+    sample = to_torch(store.get("a1"))
+    assert sample["input_ids"].tolist() == render(tokenizer, conversations[1], generation_prompt=False)
+    assert sample["loss_mask"].sum() == 0  # nothing generated: every position is context
+    # The responses' samples are the same as without dataset answers.
+    _, alone = run(embedded_target, tokenizer, responses, tmp_path / "alone")
+    assert torch.equal(to_torch(store.get("p3:0"))["loss_mask"], to_torch(alone.get("p3:0"))["loss_mask"])
+
+
+def test_dataset_answers_from_another_tokenizer_or_missing_are_refused(embedded_target, tokenizer, responses,
+                                                                        tmp_path):
+    conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+    answered = answered_file(tokenizer, tmp_path / "answered.parquet", [conversation])
+    table = pq.read_table(answered).to_pylist()
+    table[0]["token_ids"] = [t + 1 for t in table[0]["token_ids"]]
+    pq.write_table(pa.Table.from_pylist(table), answered)
+    with pytest.raises(ExtractError, match="answered.parquet: conversation a0 was not rendered with"):
+        run(embedded_target, tokenizer, responses, tmp_path, answered=answered)
+    with pytest.raises(ExtractError, match="gone.parquet: not found; rerun the prompts stage"):
+        run(embedded_target, tokenizer, responses, tmp_path, answered=tmp_path / "gone.parquet")

@@ -17,7 +17,7 @@ import yaml
 
 from fault_proxy import FaultProxy
 from stages import server
-from stages.generate import render
+from stages.prompts import render
 from stages.prompts import prompt_id
 from stages.target import TargetParams, build
 

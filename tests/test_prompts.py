@@ -7,9 +7,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from stages.prompts import (DropLog, PromptsError, PromptsParams, build, iter_hf, iter_json_array_items,
-                            iter_jsonl, normalize_messages, package_file, SHAREGPT_FILE, SHAREGPT_PACKAGE,
-                            usable_rows)
+from stages.prompts import (DropLog, PromptsError, PromptsParams, RowError, apply_policy, build, iter_hf,
+                            iter_json_array_items, iter_jsonl, normalize_messages, package_file, render,
+                            SHAREGPT_FILE, SHAREGPT_PACKAGE, usable_rows, with_dataset_answer)
 
 
 def run(embedded_target, tmp_path, **overrides):
@@ -31,6 +31,24 @@ def test_embedded_prompts_and_mtbench(embedded_target, tmp_path):
     assert all(len(q["turns"]) == 2 for q in evaluation)  # MT-bench: both turns kept
     assert {"writing", "coding", "math", "reasoning"} <= {q["category"] for q in evaluation}
     assert json.loads((tmp_path / "prompts" / "stats.json").read_text())["kept"] == 30
+
+
+def test_dataset_answers_are_further_rows_with_their_own_answer(embedded_target, tmp_path, tokenizer):
+    stats, train, _ = run(embedded_target, tmp_path, num_samples=10, dataset_answers=12, dataset_answer_max_tokens=200)
+    answered = pq.read_table(tmp_path / "prompts" / "answered.parquet").to_pylist()
+    assert stats["dataset_answers"] == len(answered) == 12
+    assert stats["dataset_answer_tokens"] == sum(len(r["token_ids"]) for r in answered)
+    firsts = {json.loads(r["messages"])[0]["content"] for r in train}
+    for row in answered:
+        conversation = json.loads(row["messages"])
+        roles = [m["role"] for m in conversation]
+        assert roles[-2:] == ["user", "assistant"] and "user" not in roles[:-2]  # first_user: the first exchange
+        assert conversation[0]["content"] not in firsts  # a row is either answered by the target or not at all
+        assert row["token_ids"] == render(tokenizer, conversation, generation_prompt=False)[:200]
+        assert row["num_prompt_tokens"] == len(render(tokenizer, conversation[:-1], generation_prompt=True))
+    # The same prompts are kept for the target whether or not dataset answers are asked for.
+    assert [r["id"] for r in train] == [r["id"] for r in run(embedded_target, tmp_path / "none", num_samples=10)[1]]
+    assert pq.read_table(tmp_path / "none" / "prompts" / "answered.parquet").num_rows == 0
 
 
 def test_sampling_is_deterministic_for_a_seed(embedded_target, tmp_path):
@@ -103,6 +121,16 @@ def test_parquet_source_and_multi_turn_policy(embedded_target, tmp_path):
     assert json.loads(every[0]["messages"]) == conversation
 
 
+def test_dataset_answer_follows_the_multi_turn_policy():
+    conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+                    {"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}]
+    for policy, expected in (("first_user", conversation[:2]), ("all_turns", conversation)):
+        assert with_dataset_answer(conversation, apply_policy(conversation, policy)) == expected
+    for unanswered in (conversation[:3], conversation[:3] + [{"role": "assistant", "content": " "}]):
+        with pytest.raises(RowError, match="no_dataset_answer"):
+            with_dataset_answer(unanswered, apply_policy(unanswered, "all_turns"))
+
+
 def test_hf_datasets_path_on_shipped_data(tmp_path):
     """The code path real runs take (`datasets.load_dataset`), fed a local file of the shipped ShareGPT."""
     path = package_file(SHAREGPT_PACKAGE, SHAREGPT_FILE)
@@ -124,6 +152,8 @@ def test_unknown_source_and_bad_policy(embedded_target, tmp_path):
         run(embedded_target, tmp_path, source="nonsense")
     with pytest.raises(PromptsError, match="multi_turn='last'"):
         run(embedded_target, tmp_path, multi_turn="last")
+    with pytest.raises(PromptsError, match="dataset_answers=-1: expected 0 or more"):
+        run(embedded_target, tmp_path, dataset_answers=-1)
 
 
 def test_normalize_sharegpt_roles():

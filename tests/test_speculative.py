@@ -8,7 +8,7 @@ import torch
 
 from stages.checkpoint import LoadedDrafter
 from stages.drafter import Drafter, DrafterConfig
-from stages.generate import render
+from stages.prompts import render
 from stages.speculative import SpecDecoder
 
 

@@ -27,7 +27,7 @@ from stages.checkpoint import save_drafter, validate
 from stages.drafter import Drafter, DrafterConfig
 from stages.hidden_reader import StatePlanes
 from stages.hidden_store import ShardWriter, merge_index, write_manifest
-from stages.train import DraftLoss, Paths, TrainError, TrainParams, check_params, train
+from stages.train import DraftLoss, Paths, TrainError, TrainParams, check_params, make_plan, train
 from stages.train_data import Batch, collate
 from stages.train_teacher import Teacher, load_teacher, target_config
 
@@ -506,3 +506,17 @@ def test_params_that_cannot_work_are_refused_by_name():
         check_params(small_params(batches_per_step=3), world=2)
     with pytest.raises(TrainError, match="max_seq_len=200 exceeds max_tokens_per_batch"):
         check_params(small_params(max_seq_len=200), world=1)
+
+
+def test_samples_without_generated_tokens_train_only_at_a_positive_prompt_weight(capsys):
+    """Conversations kept with their dataset answers have no generated token: context weight or nothing."""
+    from types import SimpleNamespace
+
+    store = SimpleNamespace(num_tokens=np.array([50, 60, 40, 30]), num_loss_tokens=np.array([20, 0, 0, 10]),
+                            sample_ids=["p0:0", "a1", "a2", "p3:0"])
+    both = make_plan(small_params(prompt_loss_weight=0.5, eval_fraction=0.0, batches_per_step=1), store)
+    assert both.train_samples == 4 and "skipped" not in capsys.readouterr().err
+    generated_only = make_plan(small_params(prompt_loss_weight=0.0, eval_fraction=0.0, batches_per_step=1), store)
+    assert generated_only.train_samples == 2
+    assert sorted(r for step in generated_only.epochs[0] for batch in step for r in batch) == [0, 3]
+    assert "2 samples without generated tokens (conversations with dataset answers) are skipped" in capsys.readouterr().err
