@@ -60,7 +60,7 @@ class PromptsParams:
     dedupe: bool = True
     multi_turn: str = "first_user"
     dataset_answers: int = 0  # further conversations trained on with the dataset's own answer (no generation)
-    dataset_answer_max_tokens: int = 640  # each such conversation's rendered tokens are cut here
+    dataset_answer_max_tokens: int = 512  # each such conversation's rendered tokens are cut here
 
 
 ANSWERED_SCHEMA = pa.schema([("id", pa.string()), ("messages", pa.string()), ("token_ids", pa.list_(pa.int32())),

@@ -22,6 +22,14 @@ from stages.atomic import atomic_write_bytes, atomic_write_json
 OUT_DIR = Path("sweep")
 
 
+def x_axis(param: str) -> tuple[str, str]:
+    """(point key, label) the curve is drawn against: generated tokens when the sweep varies them,
+    else every token of the hidden-state store (e.g. prompts.dataset_answers)."""
+    if param == "prompts.num_samples":
+        return "generated_tokens", "generated training tokens"
+    return "store_tokens", "training tokens in the hidden-state store"
+
+
 def experiment_name(param: str, value: str) -> str:
     return f"sweep-{param.replace('.', '-')}-{value}"
 
@@ -69,7 +77,8 @@ def collect(param: str, values: list[str], tree: Any) -> list[dict[str, Any]]:
         figures = point(found[name]) if name in found else None
         if figures:
             rows.append({"experiment": name, param: value, **figures})
-    return sorted(rows, key=lambda r: r["generated_tokens"] or 0)
+    key = x_axis(param)[0]
+    return sorted(rows, key=lambda r: r[key] or 0)
 
 
 def plot(rows: list[dict[str, Any]], param: str, path: Path) -> None:
@@ -80,14 +89,15 @@ def plot(rows: list[dict[str, Any]], param: str, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    x, x_label = x_axis(param)
     fig, ax = plt.subplots(figsize=(6, 4))
     for key, label in (("vllm_acceptance_length", "vLLM"), ("offline_acceptance_length", "offline")):
-        xs = [r["generated_tokens"] for r in rows if r[key] is not None]
+        xs = [r[x] for r in rows if r[key] is not None]
         ax.plot(xs, [r[key] for r in rows if r[key] is not None], marker="o", label=label)
     for r in rows:
-        ax.annotate(f"{param.split('.')[-1]}={r[param]}", (r["generated_tokens"], r["vllm_acceptance_length"] or
+        ax.annotate(f"{param.split('.')[-1]}={r[param]}", (r[x], r["vllm_acceptance_length"] or
                                                            r["offline_acceptance_length"]), fontsize=7)
-    ax.set_xlabel("generated training tokens")
+    ax.set_xlabel(x_label)
     ax.set_ylabel("acceptance length (tokens per target forward)")
     ax.set_title("Acceptance against data budget")
     ax.grid(alpha=0.3)
@@ -120,7 +130,8 @@ def main() -> None:
     atomic_write_json(OUT_DIR / "sweep.json", {"param": args.param, "points": rows})
     plot(rows, args.param, OUT_DIR / "acceptance_vs_tokens.png")
     for r in rows:
-        print(f"sweep: {args.param}={r[args.param]}: {r['generated_tokens']} generated tokens -> acceptance "
+        print(f"sweep: {args.param}={r[args.param]}: {r['generated_tokens']} generated tokens, {r['store_tokens']} "
+              f"in the store -> acceptance "
               f"length vLLM {r['vllm_acceptance_length']}, offline {r['offline_acceptance_length']}")
     print(f"sweep: {len(rows)} points -> {OUT_DIR / 'sweep.json'}, {OUT_DIR / 'acceptance_vs_tokens.png'}")
 

@@ -10,6 +10,7 @@ def exp_show_tree(points: dict[str, tuple[int, float | None]]) -> list:
     """The layout of DVC 3's `dvc exp show --json`: commits, then experiments, each with revs."""
     def record(name: str, tokens: int, acceptance: float | None) -> dict:
         metrics = {"metrics/generate.json": {"data": {"generated_tokens": tokens, "responses": tokens // 200}},
+                   "metrics/extract.json": {"data": {"tokens": 10**6 - tokens}},
                    "metrics/evaluate.json": {"data": {"vllm_acceptance_length": acceptance,
                                                       "offline_acceptance_length": acceptance}}}
         return {"rev": f"r{tokens}", "name": name, "data": {"params": {}, "metrics": metrics}}
@@ -37,3 +38,14 @@ def test_plot_and_curve_file(tmp_path):
     sweep.plot(rows, "prompts.num_samples", out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     json.dumps(rows)  # the curve file is plain JSON
+
+
+def test_a_sweep_of_dataset_answers_is_ordered_and_drawn_by_store_tokens(tmp_path):
+    # Generated tokens stay put when the dataset answers vary; the store's tokens grow with them.
+    rows = sweep.collect("prompts.dataset_answers", ["0", "600"],
+                         exp_show_tree({"sweep-prompts-dataset_answers-0": (40000, 1.4),
+                                        "sweep-prompts-dataset_answers-600": (30000, 1.5)}))
+    assert [r["prompts.dataset_answers"] for r in rows] == ["0", "600"]
+    assert [r["store_tokens"] for r in rows] == [960000, 970000]
+    sweep.plot(rows, "prompts.dataset_answers", tmp_path / "acceptance.png")
+    assert (tmp_path / "acceptance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
