@@ -220,12 +220,15 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
+        # On the attention and MLP outputs, in training mode only: a regulariser the trainer sets
+        # (train.dropout); it has no weights, so the servable layer is the same.
+        self.dropout = nn.Dropout(0.0)
 
     def forward(self, embeds: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor, cache: TTTCache) -> Tensor:
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
         # The residual is the un-normalised hidden input (vLLM's default, norm_before_residual off).
-        h = hidden + self.self_attn(x, cos, sin, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = hidden + self.dropout(self.self_attn(x, cos, sin, cache))
+        return h + self.dropout(self.mlp(self.post_attention_layernorm(h)))
 
 
 class Drafter(nn.Module):

@@ -104,6 +104,7 @@ class TrainParams:
     min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
     warmup_steps: int = 50
     weight_decay: float = 0.0  # on matrices only
+    dropout: float = 0.0  # on the drafter layer's attention and MLP outputs while training
     beta1: float = 0.9
     beta2: float = 0.95
     adam_eps: float = 1e-8
@@ -150,6 +151,8 @@ def check_params(params: TrainParams, world: int) -> None:
         )
     if not 0 <= params.eval_fraction < 1:
         problems.append(f"eval_fraction={params.eval_fraction} must be in [0, 1)")
+    if not 0 <= params.dropout < 1:
+        problems.append(f"dropout={params.dropout} must be in [0, 1)")
     if params.step_decay <= 0 or params.prompt_loss_weight < 0:
         problems.append("step_decay must be > 0 and prompt_loss_weight >= 0")
     for name in ("epochs", "log_every", "checkpoint_every", "length_group", "ce_chunk_size"):
@@ -488,6 +491,7 @@ def setup(params: TrainParams, paths: Paths, dist: Dist) -> Run:
     inputs = load_inputs(params, paths)
     plan = make_plan(params, inputs.store)
     drafter = inputs.drafter.to(dist.device)
+    drafter.midlayer.dropout.p = params.dropout
     if params.compile:
         drafter.compile()
     dtype = torch.bfloat16 if dist.device.type == "cuda" else torch.float32
@@ -560,10 +564,12 @@ def evaluate(run: Run) -> dict[str, float] | None:
     k = run.params.ttt_steps
     sums = torch.zeros(3, k, device=run.dist.device)
     zero = torch.zeros(k, device=run.dist.device)
+    run.loss.eval()  # no dropout
     for batch in run.batches(run.plan.heldout[run.dist.rank :: run.dist.world]):
         with run.autocast():
             _, losses, hits = run.loss(batch, zero)
         sums += torch.stack([losses, hits, batch.step_weights(k)])
+    run.loss.train()
     run.dist.all_reduce(sums)
     return {"step": run.state.step, **step_row(*sums, run.decay)}
 

@@ -88,6 +88,20 @@ def test_shapes_through_k_steps_with_gqa():
         assert torch.allclose(a, model.head_hidden(b), atol=1e-6)
 
 
+def test_dropout_acts_in_training_mode_only_and_adds_no_weights():
+    model = make_drafter()
+    aux, embeds, pos = inputs(model)
+    with torch.no_grad():
+        plain = model(aux, embeds, pos)
+        model.midlayer.dropout.p = 0.5
+        dropped = model(aux, embeds, pos)
+        model.eval()
+        evaluated = model(aux, embeds, pos)
+    assert not torch.allclose(plain[0], dropped[0])
+    assert all(torch.equal(a, b) for a, b in zip(plain, evaluated))
+    assert set(model.state_dict()) == set(make_drafter().state_dict())
+
+
 def test_step_k_at_position_t_ignores_everything_after_t():
     model = make_drafter()
     aux, embeds, pos = inputs(model)

@@ -506,6 +506,8 @@ def test_params_that_cannot_work_are_refused_by_name():
         check_params(small_params(batches_per_step=3), world=2)
     with pytest.raises(TrainError, match="max_seq_len=200 exceeds max_tokens_per_batch"):
         check_params(small_params(max_seq_len=200), world=1)
+    with pytest.raises(TrainError, match=r"train.dropout=1.0 must be in \[0, 1\)"):
+        check_params(small_params(dropout=1.0), world=1)
 
 
 def test_samples_without_generated_tokens_train_only_at_a_positive_prompt_weight(capsys):
