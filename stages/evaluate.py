@@ -134,6 +134,14 @@ def greedy_answers(target: Any, prompts: list[list[int]], max_new_tokens: int, e
     return answers
 
 
+def draft_vocab_coverage(answers: list[list[int]], t2d: np.ndarray) -> float:
+    """Share of the answers' tokens inside the draft vocabulary. A token outside it is never
+    drafted, so this bounds how often a draft can be accepted; the vocab stage's coverage is that of
+    the training answers, and a narrower prompt set than the evaluation's shows here first."""
+    tokens = np.concatenate([np.asarray(a, dtype=np.int64) for a in answers]) if answers else np.zeros(0, np.int64)
+    return float(t2d[tokens].mean()) if tokens.size else 0.0
+
+
 def offline_eval(params: EvaluateParams, record: dict, tokenizer: Any, items: list[dict],
                  paths: EvalPaths = EvalPaths()) -> dict[str, Any]:
     """Chain speculative decoding with our decoder. At T=0 the target's greedy answers are generated
@@ -151,6 +159,7 @@ def offline_eval(params: EvaluateParams, record: dict, tokenizer: Any, items: li
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     total, per_category = DecodeStats(), defaultdict(DecodeStats)
     answers: list[list[str]] = [[] for _ in items]
+    replies: list[list[int]] = []
     for turn in range(max(len(item["turns"]) for item in items)):
         todo = [i for i, item in enumerate(items) if len(item["turns"]) > turn]
         prompts = [render(tokenizer, conversation(items[i]["turns"], answers[i]), True) for i in todo]
@@ -167,6 +176,7 @@ def offline_eval(params: EvaluateParams, record: dict, tokenizer: Any, items: li
                 reply = answer.tokens
                 stats = decoder.replay(prompt, reply, stop=len(reply), aux=answer.aux)
             answers[i].append(tokenizer.decode(reply, skip_special_tokens=True))
+            replies.append(reply)
             total.add(stats)
             per_category[items[i]["category"]].add(stats)
             progress.update(1, extra=f"acceptance length {total.acceptance_length():.3f}")
@@ -174,6 +184,7 @@ def offline_eval(params: EvaluateParams, record: dict, tokenizer: Any, items: li
             "per_position": [a / total.rounds for a in total.accepted_per_pos],
             "histogram": histogram(total.accepted_per_pos, total.rounds),
             "rounds": total.rounds, "generated": total.generated,
+            "draft_vocab_coverage": draft_vocab_coverage(replies, np.load(paths.vocab / "t2d.npy")),
             "per_category": {c: round(s.acceptance_length(), 4) for c, s in sorted(per_category.items())}}
 
 
@@ -344,6 +355,7 @@ def main() -> None:
                "offline_acceptance_length": round(offline["acceptance_length"], 4) if offline else None,
                "offline_acceptance_per_position": [round(x, 4) for x in offline["per_position"]] if offline else None,
                "offline_per_category": offline["per_category"] if offline else None,
+               "offline_draft_vocab_coverage": round(offline["draft_vocab_coverage"], 4) if offline else None,
                "vllm_acceptance_length": round(online["acceptance_length"], 4) if online else None,
                "vllm_acceptance_per_position": [round(x, 4) for x in online["per_position"]] if online else None,
                "vllm_drafts": online["drafts"] if online else None,
@@ -355,7 +367,8 @@ def main() -> None:
     print(f"evaluate: acceptance length at k={params.num_speculative_tokens}, T={params.temperature}: offline "
           f"{metrics['offline_acceptance_length']}, vLLM {metrics['vllm_acceptance_length']} on {len(items)} "
           f"questions; per position offline {metrics['offline_acceptance_per_position']}, vLLM "
-          f"{metrics['vllm_acceptance_per_position']}, {wall:.0f}s")
+          f"{metrics['vllm_acceptance_per_position']}; the draft vocabulary holds "
+          f"{metrics['offline_draft_vocab_coverage']} of the target's answer tokens, {wall:.0f}s")
     if failure or mismatches:
         sys.exit("\n".join(f"evaluate: {problem}" for problem in [*mismatches, *([failure] if failure else [])]))
 

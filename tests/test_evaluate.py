@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from stages.evaluate import agreement_failure, conversation, parse_spec_metrics
+from stages.evaluate import agreement_failure, conversation, draft_vocab_coverage, parse_spec_metrics
 
 PAGE = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
 vllm:spec_decode_num_drafts_total{engine="0",model_name="target"} 100.0
@@ -29,6 +29,15 @@ def test_agreement_check_prints_both_curves_when_they_differ():
 def test_second_turn_follows_the_models_own_answer():
     assert conversation(["q1", "q2"], ["a1"]) == [
         {"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"}, {"role": "user", "content": "q2"}]
+
+
+def test_draft_vocab_coverage_counts_every_answer_token():
+    import numpy as np
+
+    t2d = np.zeros(10, dtype=bool)
+    t2d[[1, 2, 3]] = True
+    assert draft_vocab_coverage([[1, 2, 7], [3, 9, 9, 1]], t2d) == 4 / 7
+    assert draft_vocab_coverage([], t2d) == 0.0
 
 
 def test_histogram_from_chain_counts():
@@ -111,6 +120,7 @@ def test_agreement_check_catches_shifted_aux_ids_and_dropped_d2t(embedded_target
                                       manifest=paths.hidden / "manifest.json", server_state=tmp_path / "server")
     offline = evaluate.offline_eval(params, record, tokenizer, items, trained_with)
     assert offline["acceptance_length"] > 1.4, offline  # a drafter worth checking
+    assert offline["draft_vocab_coverage"] == 1.0  # the vocabulary was counted on these very answers
 
     def shift_aux(config, tensors):
         ids = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
