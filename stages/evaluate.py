@@ -138,7 +138,7 @@ def draft_vocab_coverage(answers: list[list[int]], t2d: np.ndarray) -> float:
     """Share of the answers' tokens inside the draft vocabulary. A token outside it is never
     drafted, so this bounds how often a draft can be accepted; the vocab stage's coverage is that of
     the training answers, and a narrower prompt set than the evaluation's shows here first."""
-    tokens = np.concatenate([np.asarray(a, dtype=np.int64) for a in answers]) if answers else np.zeros(0, np.int64)
+    tokens = np.fromiter((t for answer in answers for t in answer), dtype=np.int64)
     return float(t2d[tokens].mean()) if tokens.size else 0.0
 
 
