@@ -151,21 +151,20 @@ class Capture:
         return aux, last
 
 
-def pad_batch(batch: list[Sample], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    longest = len(batch[0].input_ids)
-    ids = np.zeros((len(batch), longest), np.int64)
-    mask = np.zeros((len(batch), longest), np.int64)
+def pad_batch(batch: list[Sample], device: torch.device) -> torch.Tensor:
+    """Token ids right-padded to the longest sample. No attention mask is needed: under causal
+    attention a real position never sees the padding after it, and without a mask the attention
+    kernels take their causal path (the same states as a masked forward)."""
+    ids = np.zeros((len(batch), len(batch[0].input_ids)), np.int64)
     for row, sample in enumerate(batch):
         ids[row, : len(sample.input_ids)] = sample.input_ids
-        mask[row, : len(sample.input_ids)] = 1
-    return torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device)
+    return torch.from_numpy(ids).to(device)
 
 
 def forward_batch(model: Any, capture: Capture, batch: list[Sample], device: torch.device) -> tuple[Any, ...]:
     """Runs the decoder (no lm_head) and starts the copies of the captured states to the host."""
-    ids, mask = pad_batch(batch, device)
     with torch.inference_mode():
-        model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False)
+        model.get_decoder()(input_ids=pad_batch(batch, device), use_cache=False)
         aux, last = (state.to(torch.bfloat16) for state in capture.take())
     if device.type != "cuda":
         return aux, last, None
