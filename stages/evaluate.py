@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import json
 import re
 import sys
@@ -108,10 +109,10 @@ def greedy_answers(target: Any, prompts: list[list[int]], max_new_tokens: int, e
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
         longest = max(map(len, chunk))
-        ids = torch.full((len(chunk), longest), pad_id)
-        mask = torch.zeros((len(chunk), longest), dtype=torch.long)
+        ids = torch.full((len(chunk), longest), pad_id, device=target.device)
+        mask = torch.zeros((len(chunk), longest), dtype=torch.long, device=target.device)
         for row, prompt in enumerate(chunk):
-            ids[row, longest - len(prompt):] = torch.tensor(prompt)
+            ids[row, longest - len(prompt):] = torch.tensor(prompt, device=target.device)
             mask[row, longest - len(prompt):] = 1
         forwards: list[Tensor] = []  # aux of each forward generate makes: the prompts, then one token per step
         hook = (target.get_decoder().register_forward_hook(lambda *_: forwards.append(capture.take()[0]))
@@ -142,19 +143,27 @@ def draft_vocab_coverage(answers: list[list[int]], t2d: np.ndarray) -> float:
     return float(t2d[tokens].mean()) if tokens.size else 0.0
 
 
+def load_target(record: dict) -> Any:
+    """The target through transformers, on the GPUs if there are any (vLLM starts only after the
+    offline evaluation), spread over all of them if it needs more than one; else on the CPU."""
+    from transformers import AutoModelForCausalLM
+
+    placement = {"device_map": "auto"} if torch.cuda.is_available() else {}
+    return AutoModelForCausalLM.from_pretrained(record["model_path"], dtype=getattr(torch, record["dtype"]),
+                                                **placement).eval()
+
+
 def offline_eval(params: EvaluateParams, record: dict, tokenizer: Any, items: list[dict],
                  paths: EvalPaths = EvalPaths()) -> dict[str, Any]:
     """Chain speculative decoding with our decoder. At T=0 the target's greedy answers are generated
     in batches and the rounds replayed along them (SpecDecoder.replay: the same counts as decoding
     one round at a time, tested); at T>0 every answer is decoded with rejection sampling."""
-    from transformers import AutoModelForCausalLM
-
-    target = AutoModelForCausalLM.from_pretrained(record["model_path"], dtype=getattr(torch, record["dtype"])).eval()
+    target = load_target(record)
     drafter = load_drafter(paths.drafter)
     drafter.d2t = torch.from_numpy(np.load(paths.vocab / "d2t.npy"))  # the map it was trained with
     aux_ids = json.loads(paths.manifest.read_text())["aux_layer_ids"]
     decoder = SpecDecoder(target, drafter, aux_ids, params.num_speculative_tokens, params.temperature,
-                          torch.Generator().manual_seed(params.seed))
+                          torch.Generator(target.device).manual_seed(params.seed))
     eos = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")} - {None}
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     total, per_category = DecodeStats(), defaultdict(DecodeStats)
@@ -345,6 +354,9 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(paths.target)
     items = questions(params, paths.prompts)
     offline = offline_eval(params, record, tokenizer, items) if params.offline else None
+    if torch.cuda.is_available():  # the offline target's GPU memory back to the driver before vLLM starts
+        gc.collect()
+        torch.cuda.empty_cache()
     online = online_eval(params, record, items) if params.online else None
     failure = (agreement_failure(offline, online, params.agreement_tolerance)
                if offline and online and params.temperature == 0 else None)

@@ -134,12 +134,14 @@ class Capture:
         layers = decoder.layers
         self.names = [f"aux{i}" for i in aux_ids] + ["last"]
         modules = [decoder.embed_tokens if i == 0 else layers[i - 1] for i in aux_ids] + [layers[-1]]
+        # Under device_map the layers live on several GPUs: the states are gathered on the first.
+        self.device = decoder.embed_tokens.weight.device
         self.outputs: dict[str, torch.Tensor] = {}
         self.handles = [m.register_forward_hook(self._keep(name)) for name, m in zip(self.names, modules)]
 
     def _keep(self, name: str):
         def hook(module: Any, args: Any, output: Any) -> None:
-            self.outputs[name] = output[0] if isinstance(output, tuple) else output
+            self.outputs[name] = (output[0] if isinstance(output, tuple) else output).to(self.device)
         return hook
 
     def take(self) -> tuple[torch.Tensor, torch.Tensor]:

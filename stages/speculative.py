@@ -42,13 +42,17 @@ class SpecDecoder:
         self.target, self.drafter, self.k, self.temperature = target, drafter, k, temperature
         self.capture = Capture(target, aux_ids)
         self.embedding = target.get_input_embeddings().weight
-        drafter.model.to(self.embedding.dtype)  # the engine runs the drafter in the target's dtype too
-        self.draft_to_target = torch.arange(drafter.d2t.numel()) + drafter.d2t
-        self.generator = generator
+        self.device = self.embedding.device  # where the target reads its input ids (its first GPU, or the CPU)
+        drafter.model.to(self.device, self.embedding.dtype)  # the engine runs the drafter in the target's dtype too
+        self.draft_to_target = (torch.arange(drafter.d2t.numel()) + drafter.d2t).to(self.device)
+        self.generator = generator  # on self.device when sampling (T > 0)
+
+    def ids(self, ids: list[int] | list[list[int]]) -> Tensor:
+        return torch.tensor(ids, device=self.device)
 
     def target_forward(self, ids: list[int], cache) -> tuple[Tensor, Tensor]:
         """(logits [n, V] in fp32, aux states [n, n_aux*Ht]) of the new positions."""
-        out = self.target(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+        out = self.target(input_ids=self.ids([ids]), past_key_values=cache, use_cache=True)
         return out.logits[0].float(), self.capture.take()[0][0]
 
     def probs(self, logits: Tensor) -> Tensor:
@@ -70,8 +74,9 @@ class SpecDecoder:
         model = self.drafter.model
         done, total = (0 if prefix is None else prefix[0].shape[2]), aux.shape[0]
         cache = TTTCache(prefix=prefix)
-        embeds = model.embed(torch.tensor([next_tokens[done:]]), self.embedding)
-        hidden = model.step(embeds, model.fuse(aux[None, done:]), torch.arange(done, total), cache)[:, -1:]
+        embeds = model.embed(self.ids([next_tokens[done:]]), self.embedding)
+        positions = torch.arange(done, total, device=self.device)
+        hidden = model.step(embeds, model.fuse(aux[None, done:]), positions, cache)[:, -1:]
         keys, values = cache.keys[0], cache.values[0]
         if prefix is not None:
             keys, values = torch.cat([prefix[0], keys], dim=2), torch.cat([prefix[1], values], dim=2)
@@ -80,10 +85,11 @@ class SpecDecoder:
         qs: list[Tensor] = []
         for step in range(self.k):
             if step:
-                embeds = model.embed(torch.tensor([[drafts[-1]]]), self.embedding)
-                hidden = model.step(embeds, hidden, torch.tensor([total - 1 + step]), last)
+                embeds = model.embed(self.ids([[drafts[-1]]]), self.embedding)
+                hidden = model.step(embeds, hidden, self.ids([total - 1 + step]), last)
             q_draft = self.probs(model.logits(hidden[0, -1]).float())
-            qs.append(torch.zeros(self.embedding.shape[0]).index_copy_(0, self.draft_to_target, q_draft))
+            q = torch.zeros(self.embedding.shape[0], device=self.device)
+            qs.append(q.index_copy_(0, self.draft_to_target, q_draft))
             drafts.append(int(self.draft_to_target[self.sample(q_draft)]))
         return drafts, qs, (keys, values)
 
@@ -103,8 +109,9 @@ class SpecDecoder:
             raise ValueError("replay is exact only at temperature 0; use generate")
         tokens = list(prompt_ids) + list(continuation)
         if aux is None:
-            self.target.get_decoder()(input_ids=torch.tensor([tokens]), use_cache=False)
+            self.target.get_decoder()(input_ids=self.ids([tokens]), use_cache=False)
             aux = self.capture.take()[0][0]
+        aux = aux.to(self.device)
         stats = DecodeStats(accepted_per_pos=[0] * self.k)
         n, i, prefix = len(prompt_ids), 0, None  # continuation[i] is the token the next round starts from
         while i + 1 < stop:
@@ -139,7 +146,8 @@ class SpecDecoder:
                 if self.temperature == 0:
                     ok = p[d] == 1
                 else:
-                    ok = torch.rand((), generator=self.generator) < torch.clamp(p[d] / q[d], max=1.0)
+                    u = torch.rand((), generator=self.generator, device=self.device)
+                    ok = u < torch.clamp(p[d] / q[d], max=1.0)
                 if not ok:
                     residual = torch.clamp(p - q, min=0) if self.temperature else p
                     bonus = self.sample(residual / residual.sum())

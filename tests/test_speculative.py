@@ -150,11 +150,11 @@ def test_replay_counts_the_rounds_generate_runs(embedded_target, tokenizer):
         assert sum(real.accepted_per_pos) > 0 and real.accepted_per_pos[0] < real.rounds
 
 
-def tiny_target(vocab: int = 12):
+def tiny_target(vocab: int = 12, hidden: int = 32):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(1)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():  # sharper than the random init, so p and q differ visibly
@@ -184,3 +184,32 @@ def test_rejection_sampling_keeps_the_target_distribution():
                                                    generator=torch.Generator().manual_seed(0)).generate(prompt, 2, set())[0])
                                  for _ in range(3))
     assert len(greedy_drafts_only) == 1  # near-zero temperature: deterministic
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_decodes_on_the_targets_gpu(tmp_path):
+    """On a GPU machine the offline evaluator loads the target there and keeps every tensor there:
+    greedy output equals the target's own greedy decoding, the batched greedy answers' captured
+    states replay to generate()'s counts, and sampling runs on a GPU generator."""
+    from stages.evaluate import greedy_answers, load_target
+    from stages.progress import Progress
+
+    tiny_target(vocab=64, hidden=64).save_pretrained(tmp_path)  # head_dim 16: flex attention's minimum
+    target = load_target({"model_path": str(tmp_path), "dtype": "float32"})
+    assert target.device.type == "cuda"
+    drafter = random_drafter(target.config, [1, 2, 3], torch.arange(48))
+    prompts = [[1, 5, 7, 9], [3, 4]]
+    decoder = SpecDecoder(target, drafter, [1, 2, 3], k=3, temperature=0.0)
+    assert next(drafter.model.parameters()).device.type == "cuda"
+    answers = greedy_answers(target, prompts, 20, set(), 0, 2, Progress("t", 2), decoder.capture)
+    for prompt, answer in zip(prompts, answers):
+        with torch.no_grad():
+            plain = target.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=20, do_sample=False,
+                                    min_new_tokens=20)[0, len(prompt):].tolist()
+        ids, stats = decoder.generate(prompt, 20, eos_ids=set())
+        assert ids == plain == answer.tokens
+        replayed = decoder.replay(prompt, ids, stop=len(ids), aux=answer.aux)
+        assert (replayed.rounds, replayed.accepted_per_pos) == (stats.rounds, stats.accepted_per_pos)
+    sampler = SpecDecoder(target, drafter, [1, 2, 3], k=3, temperature=1.0,
+                          generator=torch.Generator("cuda").manual_seed(0))
+    assert len(sampler.generate(prompts[0], 20, eos_ids=set())[0]) == 20
