@@ -51,9 +51,10 @@ class SpecDecoder:
         return torch.tensor(ids, device=self.device)
 
     def target_forward(self, ids: list[int], cache) -> tuple[Tensor, Tensor]:
-        """(logits [n, V] in fp32, aux states [n, n_aux*Ht]) of the new positions."""
+        """(logits [n, V] in fp32, aux states [n, n_aux*Ht]) of the new positions, on self.device
+        (under device_map the logits come from the last GPU)."""
         out = self.target(input_ids=self.ids([ids]), past_key_values=cache, use_cache=True)
-        return out.logits[0].float(), self.capture.take()[0][0]
+        return out.logits[0].float().to(self.device), self.capture.take()[0][0]
 
     def probs(self, logits: Tensor) -> Tensor:
         if self.temperature == 0:
