@@ -109,18 +109,19 @@ def greedy_answers(target: Any, prompts: list[list[int]], max_new_tokens: int, e
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
         longest = max(map(len, chunk))
-        ids = torch.full((len(chunk), longest), pad_id, device=target.device)
-        mask = torch.zeros((len(chunk), longest), dtype=torch.long, device=target.device)
+        ids = torch.full((len(chunk), longest), pad_id)
+        mask = torch.zeros((len(chunk), longest), dtype=torch.long)
         for row, prompt in enumerate(chunk):
-            ids[row, longest - len(prompt):] = torch.tensor(prompt, device=target.device)
+            ids[row, longest - len(prompt):] = torch.tensor(prompt)
             mask[row, longest - len(prompt):] = 1
         forwards: list[Tensor] = []  # aux of each forward generate makes: the prompts, then one token per step
         hook = (target.get_decoder().register_forward_hook(lambda *_: forwards.append(capture.take()[0]))
                 if capture else None)
         try:
             with torch.no_grad():
-                out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                      do_sample=False, eos_token_id=sorted(eos), pad_token_id=pad_id)
+                out = target.generate(input_ids=ids.to(target.device), attention_mask=mask.to(target.device),
+                                      max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=sorted(eos),
+                                      pad_token_id=pad_id)
         finally:
             if hook:
                 hook.remove()
