@@ -74,6 +74,10 @@ def questions(params: EvaluateParams, prompts: Path) -> list[dict[str, Any]]:
         raise ValueError(f"evaluate: num_questions={params.num_questions}, turns={params.turns} and "
                          f"num_speculative_tokens={params.num_speculative_tokens} must all be >= 1")
     items = pq.read_table(prompts).to_pylist()[: params.num_questions]
+    if params.online and not 1 <= params.concurrency <= len(items):
+        raise ValueError(f"evaluate: concurrency={params.concurrency} requests in flight are timed over as many "
+                         f"questions; expected 1..{len(items)} (questions in {prompts}, num_questions="
+                         f"{params.num_questions})")
     return [{**item, "turns": item["turns"][: params.turns]} for item in items]
 
 
@@ -245,9 +249,15 @@ def generation_tokens(url: str) -> float:
                if line.startswith("vllm:generation_tokens_total"))
 
 
+def timed_first_turns(items: list[dict], prompts: int, concurrency: int) -> list[dict]:
+    """The first turns timed at `concurrency`: `prompts` of them, and never fewer than `concurrency`
+    (fewer prompts than requests in flight would time a lower concurrency than the figure's name says)."""
+    return [{**item, "turns": item["turns"][:1]} for item in items[: max(prompts, concurrency)]]
+
+
 def output_tokens_per_s(url: str, items: list[dict], params: EvaluateParams, concurrency: int) -> float:
-    """Generated tokens per second over the first turns of `items`, `concurrency` requests at a time."""
-    first_turns = [{**item, "turns": item["turns"][:1]} for item in items]
+    """Generated tokens per second over the first turns timed at `concurrency` requests at a time."""
+    first_turns = timed_first_turns(items, params.throughput_prompts, concurrency)
     before, start = generation_tokens(url), time.monotonic()
     asyncio.run(answer_all(url, first_turns, params, concurrency, f"evaluate throughput x{concurrency}"))
     return (generation_tokens(url) - before) / (time.monotonic() - start)
@@ -262,9 +272,8 @@ def serve(params: EvaluateParams, record: dict, speculative: bool, paths: EvalPa
 
 
 def throughput(url: str, items: list[dict], params: EvaluateParams) -> dict[str, float]:
-    timed = items[: params.throughput_prompts]
-    return {"batch1_tokens_per_s": round(output_tokens_per_s(url, timed, params, 1), 2),
-            f"concurrency{params.concurrency}_tokens_per_s": round(output_tokens_per_s(url, timed, params,
+    return {"batch1_tokens_per_s": round(output_tokens_per_s(url, items, params, 1), 2),
+            f"concurrency{params.concurrency}_tokens_per_s": round(output_tokens_per_s(url, items, params,
                                                                                       params.concurrency), 2)}
 
 
@@ -353,7 +362,10 @@ def main() -> None:
     paths = EvalPaths()
     record = load_record(paths.target)
     tokenizer = AutoTokenizer.from_pretrained(paths.target)
-    items = questions(params, paths.prompts)
+    try:
+        items = questions(params, paths.prompts)
+    except ValueError as err:
+        sys.exit(str(err))
     offline = offline_eval(params, record, tokenizer, items) if params.offline else None
     if torch.cuda.is_available():  # the offline target's GPU memory back to the driver before vLLM starts
         gc.collect()

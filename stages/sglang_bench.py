@@ -154,7 +154,9 @@ async def answer_all(url: str, tokenizer: Any, items: list[dict], params: BenchP
 
 
 def tokens_per_s(url: str, tokenizer: Any, items: list[dict], params: BenchParams, concurrency: int) -> float:
-    first_turns = [{**item, "turns": item["turns"][:1]} for item in items[: params.throughput_prompts]]
+    from stages.evaluate import timed_first_turns
+
+    first_turns = timed_first_turns(items, params.throughput_prompts, concurrency)
     start = time.monotonic()
     metas = asyncio.run(answer_all(url, tokenizer, first_turns, params, concurrency))
     return round(sum(m["completion_tokens"] for m in metas) / (time.monotonic() - start), 2)

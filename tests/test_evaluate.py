@@ -1,6 +1,11 @@
 from __future__ import annotations
 
-from stages.evaluate import agreement_failure, conversation, draft_vocab_coverage, parse_spec_metrics
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from stages.evaluate import (EvaluateParams, agreement_failure, conversation, draft_vocab_coverage,
+                             parse_spec_metrics, questions, timed_first_turns)
 
 PAGE = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
 vllm:spec_decode_num_drafts_total{engine="0",model_name="target"} 100.0
@@ -38,6 +43,23 @@ def test_draft_vocab_coverage_counts_every_answer_token():
     t2d[[1, 2, 3]] = True
     assert draft_vocab_coverage([[1, 2, 7], [3, 9, 9, 1]], t2d) == 4 / 7
     assert draft_vocab_coverage([], t2d) == 0.0
+
+
+def test_throughput_at_a_concurrency_keeps_that_many_requests_in_flight():
+    items = [{"turns": [f"q{i}", f"follow-up {i}"]} for i in range(10)]
+    assert [item["turns"] for item in timed_first_turns(items, 2, 1)] == [["q0"], ["q1"]]
+    # 2 prompts at concurrency 4 would time 2 requests in flight, not 4
+    assert [item["turns"] for item in timed_first_turns(items, 2, 4)] == [["q0"], ["q1"], ["q2"], ["q3"]]
+    assert len(timed_first_turns(items, 8, 4)) == 8
+
+
+def test_a_concurrency_above_the_questions_is_refused(tmp_path):
+    path = tmp_path / "eval.parquet"
+    pq.write_table(pa.Table.from_pylist([{"turns": [f"q{i}"], "category": "c"} for i in range(3)]), path)
+    assert len(questions(EvaluateParams(num_questions=3, concurrency=3), path)) == 3
+    with pytest.raises(ValueError, match=r"concurrency=4 .*expected 1\.\.3 .*eval.parquet"):
+        questions(EvaluateParams(num_questions=80, concurrency=4), path)
+    assert len(questions(EvaluateParams(num_questions=3, concurrency=4, online=False), path)) == 3
 
 
 def test_histogram_from_chain_counts():
@@ -105,7 +127,8 @@ def test_agreement_check_catches_shifted_aux_ids_and_dropped_d2t(embedded_target
                                                          Progress("t", 4))]
     responses = tmp_path / "responses.parquet"
     write_responses(responses, tokenizer, prompts, answers)
-    vocab.build(vocab.VocabParams(draft_vocab_size=1024), record["vocab_size"], responses, tmp_path / "vocab")
+    vocab.build(vocab.VocabParams(draft_vocab_size=1024), record["vocab_size"], responses, tmp_path / "vocab",
+                answered=None)
     extract.run_extraction(extract.ExtractParams(), record, tokenizer, responses, tmp_path / "hidden", tmp_path / "x")
     paths = train.Paths(hidden=tmp_path / "hidden", vocab=tmp_path / "vocab", target=folder, out=tmp_path / "drafter",
                         run=tmp_path / "run", curve=tmp_path / "curve.csv", heldout_curve=tmp_path / "heldout.csv")
