@@ -11,8 +11,8 @@ from safetensors.numpy import save_file
 from stages.vocab import VocabParams, build, top_n_map
 
 
-def write_responses(path, completions):
-    pq.write_table(pa.Table.from_pylist([{"completion_token_ids": c, "prompt_token_ids": [0, 0, 0]}
+def write_responses(path, completions, prompt=(0, 0, 0)):
+    pq.write_table(pa.Table.from_pylist([{"completion_token_ids": c, "prompt_token_ids": list(prompt)}
                                          for c in completions]), path)
     return path
 
@@ -30,12 +30,29 @@ def test_top_n_by_frequency_ties_by_id_unseen_fill():
 
 def test_counts_only_generated_tokens_and_reports_coverage(tmp_path):
     responses = write_responses(tmp_path / "r.parquet", [[5, 5, 5, 7], [7, 9, 5]])  # prompt ids (0) never count
-    stats = build(VocabParams(draft_vocab_size=2), vocab_size=16, responses=responses, out=tmp_path / "vocab")
+    stats = build(VocabParams(draft_vocab_size=2), vocab_size=16, responses=responses, out=tmp_path / "vocab",
+                  answered=None)
     d2t, t2d = np.load(tmp_path / "vocab/d2t.npy"), np.load(tmp_path / "vocab/t2d.npy")
     assert (np.arange(2) + d2t).tolist() == [5, 7] and t2d.sum() == 2 and t2d.size == 16
     assert stats["coverage"] == pytest.approx(6 / 7)
     assert stats["generated_tokens"] == 7 and stats["distinct_generated"] == 3
     assert json.loads((tmp_path / "vocab/stats.json").read_text()) == stats
+
+
+def test_ties_and_unused_ids_go_to_the_rest_of_the_training_text(tmp_path):
+    counts = np.array([0, 5, 1, 1, 0, 9, 0, 0])
+    context = np.array([0, 0, 1, 4, 0, 0, 2, 0])
+    assert (np.arange(3) + top_n_map(counts, 3, context)[0]).tolist() == [1, 3, 5]  # 3 beats 2 on context
+    assert (np.arange(6) + top_n_map(counts, 6, context)[0]).tolist() == [0, 1, 2, 3, 5, 6]  # 6, then lowest id
+
+    # the same through the stage: prompt tokens and dataset answer tokens add up (11: 3, 13: 1 + 2, 12: 1)
+    responses = write_responses(tmp_path / "r.parquet", [[5, 5, 7]], prompt=(12, 13))
+    answered = tmp_path / "answered.parquet"
+    pq.write_table(pa.Table.from_pylist([{"token_ids": [11, 11, 11, 13, 13]}]), answered)
+    stats = build(VocabParams(draft_vocab_size=4), vocab_size=16, responses=responses, out=tmp_path / "vocab",
+                  answered=answered)
+    assert (np.arange(4) + np.load(tmp_path / "vocab/d2t.npy")).tolist() == [5, 7, 11, 13]
+    assert stats["filled_from_context"] == 2 and stats["coverage"] == 1.0
 
 
 def test_existing_drafter_map_is_kept(tmp_path):
@@ -47,14 +64,15 @@ def test_existing_drafter_map_is_kept(tmp_path):
               str(tmp_path / "drafter/model.safetensors"))
     responses = write_responses(tmp_path / "r.parquet", [[5, 9, 9]])
     stats = build(VocabParams(draft_vocab_size=3, from_drafter=str(tmp_path / "drafter")), vocab_size=16,
-                  responses=responses, out=tmp_path / "vocab")
+                  responses=responses, out=tmp_path / "vocab", answered=None)
     assert np.load(tmp_path / "vocab/d2t.npy").tolist() == [1, 1, 3]
     assert stats["coverage"] == pytest.approx(1 / 3)
 
 
 def test_bad_input(tmp_path):
     responses = write_responses(tmp_path / "r.parquet", [[3, 99]])
-    with pytest.raises(ValueError, match="token id 99 outside the target vocabulary"):
-        build(VocabParams(draft_vocab_size=4), vocab_size=16, responses=responses, out=tmp_path / "v")
+    with pytest.raises(ValueError, match="completion_token_ids has token id 99 outside the target vocabulary"):
+        build(VocabParams(draft_vocab_size=4), vocab_size=16, responses=responses, out=tmp_path / "v",
+              answered=None)
     with pytest.raises(ValueError, match="draft_vocab_size=32: expected 1..16"):
         build(VocabParams(draft_vocab_size=32), vocab_size=16, responses=responses, out=tmp_path / "v")
