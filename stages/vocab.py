@@ -85,7 +85,7 @@ def build(params: VocabParams, vocab_size: int, responses: Path = RESPONSES, out
     total = int(counts.sum())
     stats = {"draft_vocab_size": int(d2t.size), "target_vocab_size": vocab_size,
              "generated_tokens": total, "distinct_generated": int((counts > 0).sum()),
-             "filled_from_context": int((t2d & (counts == 0) & (context > 0)).sum()),
+             "filled_from_context": 0 if params.from_drafter else int((t2d & (counts == 0) & (context > 0)).sum()),
              "coverage": round(float(counts[t2d].sum()) / total, 6) if total else 0.0,
              "source": params.from_drafter or "top_n"}
     with atomic_dir(out) as tmp:

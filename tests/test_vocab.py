@@ -62,11 +62,12 @@ def test_existing_drafter_map_is_kept(tmp_path):
     (tmp_path / "drafter").mkdir()
     save_file({"d2t": d2t, "t2d": t2d, "lm_head.weight": np.zeros((3, 4), np.float32)},
               str(tmp_path / "drafter/model.safetensors"))
-    responses = write_responses(tmp_path / "r.parquet", [[5, 9, 9]])
+    responses = write_responses(tmp_path / "r.parquet", [[5, 9, 9]], prompt=(1, 2))
     stats = build(VocabParams(draft_vocab_size=3, from_drafter=str(tmp_path / "drafter")), vocab_size=16,
                   responses=responses, out=tmp_path / "vocab", answered=None)
     assert np.load(tmp_path / "vocab/d2t.npy").tolist() == [1, 1, 3]
     assert stats["coverage"] == pytest.approx(1 / 3)
+    assert stats["filled_from_context"] == 0  # ids 1 and 2 are the drafter's, not filled from the prompts
 
 
 def test_bad_input(tmp_path):
