@@ -72,20 +72,22 @@ def build(params: VocabParams, vocab_size: int, responses: Path = RESPONSES, out
         raise ValueError(f"vocab.draft_vocab_size={params.draft_vocab_size}: expected 1..{vocab_size} "
                          "(the target's vocabulary size)")
     counts = count_tokens(responses, "completion_token_ids", vocab_size)
-    context = count_tokens(responses, "prompt_token_ids", vocab_size)
-    if answered is not None:  # written by the prompts stage, empty without dataset answers
-        context += count_tokens(answered, "token_ids", vocab_size)
+    filled = 0
     if params.from_drafter:
         d2t, t2d = drafter_map(Path(params.from_drafter))
         if t2d.size != vocab_size:
             raise ValueError(f"vocab.from_drafter={params.from_drafter}: t2d has {t2d.size} entries, "
                              f"the target's vocabulary {vocab_size}")
     else:
+        context = count_tokens(responses, "prompt_token_ids", vocab_size)
+        if answered is not None:  # written by the prompts stage, empty without dataset answers
+            context += count_tokens(answered, "token_ids", vocab_size)
         d2t, t2d = top_n_map(counts, params.draft_vocab_size, context)
+        filled = int((t2d & (counts == 0) & (context > 0)).sum())
     total = int(counts.sum())
     stats = {"draft_vocab_size": int(d2t.size), "target_vocab_size": vocab_size,
              "generated_tokens": total, "distinct_generated": int((counts > 0).sum()),
-             "filled_from_context": 0 if params.from_drafter else int((t2d & (counts == 0) & (context > 0)).sum()),
+             "filled_from_context": filled,
              "coverage": round(float(counts[t2d].sum()) / total, 6) if total else 0.0,
              "source": params.from_drafter or "top_n"}
     with atomic_dir(out) as tmp:
