@@ -152,6 +152,10 @@ def start(params: ServeParams, record: dict[str, Any], state_dir: Path = STATE_D
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(params.cpu_kvcache_space_gb))
         bind = f"0-{os.cpu_count() - 1}" if params.cpu_omp_threads_bind == "all" else params.cpu_omp_threads_bind
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
+        if params.tensor_parallel_size * params.data_parallel_size == 1:
+            # The model runs inside the engine-core process instead of a worker process of its own: one
+            # interpreter less to import vLLM into, start-up 22 s against 32 s here at the same tok/s.
+            env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     state_dir.mkdir(parents=True, exist_ok=True)
     log_path = state_dir / "server.log"
     cmd = command or server_command(params, record, gpu)
