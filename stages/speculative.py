@@ -94,15 +94,31 @@ class SpecDecoder:
             drafts.append(int(self.draft_to_target[self.sample(q_draft)]))
         return drafts, qs, (keys, values)
 
+    def draft_matches(self, tokens: list[int], aux: Tensor) -> Tensor:
+        """[len(tokens) - 1, k] bool: whether draft step j from anchor t (the position whose aux states
+        start the round, token t+1 just verified) equals tokens[t+2+j]; False past the end.
+
+        At T=0 a round's drafts count only up to the first one that differs from the verified tokens,
+        and up to there they ARE those tokens. So every round's drafts are the drafter unrolled k steps
+        over the whole sequence with the sequence's own tokens as inputs: the training unroll, one call.
+        """
+        model, k, anchors = self.drafter.model, self.k, len(tokens) - 1
+        inputs = self.ids(tokens + [0] * k)  # past the end: any id, those drafts match nothing
+        expected = self.ids(tokens + [-1] * (k + 1))
+        embeds = [model.embed(inputs[None, 1 + j : 1 + j + anchors], self.embedding) for j in range(k)]
+        heads = model(aux[None, :anchors].to(self.device), embeds, torch.arange(anchors, device=self.device))
+        drafts = torch.stack([self.draft_to_target[model.lm_head(h[0]).argmax(-1)] for h in heads], dim=1)
+        return drafts == expected.unfold(0, k, 1)[2 : 2 + anchors]
+
     @torch.no_grad()
     def replay(self, prompt_ids: list[int], continuation: list[int], stop: int, aux: Tensor | None = None) -> DecodeStats:
-        """Temperature 0 only: the rounds `generate(prompt_ids, stop, ...)` runs, from ONE target forward.
+        """Temperature 0 only: the rounds `generate(prompt_ids, stop, ...)` runs, from ONE target forward
+        and one drafter call.
 
         At T=0 the verified output is the target's greedy continuation whatever the drafts are,
         and causal attention gives every position the same aux states in one pass over prompt +
-        continuation as in the incremental verifications. So the rounds can be replayed along the
-        known continuation without a target forward per round. Drafts are compared with the
-        continuation's tokens; those past `stop` (if given) stand for the target's argmax there.
+        continuation as in the incremental verifications; the drafts that count are computed in one
+        unroll (draft_matches). Tokens past `stop` (if given) stand for the target's argmax there.
         `aux`: the target's aux states over prompt + continuation if already known (at least all
         but the continuation's last position), else one forward computes them.
         """
@@ -112,14 +128,12 @@ class SpecDecoder:
         if aux is None:
             self.target.get_decoder()(input_ids=self.ids([tokens]), use_cache=False)
             aux = self.capture.take()[0][0]
-        aux = aux.to(self.device)
+        matches = self.draft_matches(tokens, aux).tolist()
         stats = DecodeStats(accepted_per_pos=[0] * self.k)
-        n, i, prefix = len(prompt_ids), 0, None  # continuation[i] is the token the next round starts from
+        n, i = len(prompt_ids), 0  # continuation[i] is the token the next round starts from
         while i + 1 < stop:
-            drafts, _, prefix = self.draft(aux[: n + i], tokens[1 : n + i + 1], prefix)
             accepted = 0
-            while (accepted < self.k and i + 1 + accepted < len(continuation)
-                   and drafts[accepted] == continuation[i + 1 + accepted]):
+            while accepted < self.k and matches[n + i - 1][accepted]:
                 stats.accepted_per_pos[accepted] += 1
                 accepted += 1
             stats.rounds += 1

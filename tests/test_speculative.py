@@ -112,7 +112,8 @@ def test_incremental_drafts_equal_the_whole_sequence_unroll(embedded_target, tok
 
 
 def test_replay_counts_the_rounds_generate_runs(embedded_target, tokenizer):
-    """At T=0 one forward over the greedy continuation gives generate()'s acceptance exactly."""
+    """At T=0 one target forward and one drafter unroll over the greedy continuation give generate()'s
+    acceptance exactly."""
     from transformers import AutoModelForCausalLM
 
     target = AutoModelForCausalLM.from_pretrained(embedded_target[0]).eval()
@@ -122,32 +123,35 @@ def test_replay_counts_the_rounds_generate_runs(embedded_target, tokenizer):
     with torch.no_grad():
         plain = target.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False,
                                 min_new_tokens=40)[0, len(prompt):].tolist()
-    at_prompt = len(prompt) - 1  # next_tokens = sequence[1:] + [token] has this many tokens before the drafts
 
-    calls = [0]
+    def spoiled(anchor: int) -> int:
+        """The draft step an oracle gets wrong from this anchor (k: none): every accept count occurs."""
+        return (anchor // 3) % (k + 1)
 
     def partly_right(aux, next_tokens, prefix):
-        """The true continuation with draft (round number mod k+1) spoiled: every accept count occurs."""
-        at = len(next_tokens) - at_prompt
-        drafts = plain[at: at + k] + [0] * max(0, at + k - len(plain))
-        wrong = calls[0] % (k + 1)
-        calls[0] += 1
-        if wrong < k:
-            drafts[wrong] = 0 if drafts[wrong] else 1
+        """generate's drafter: the true continuation, spoiled at one step."""
+        anchor = len(next_tokens) - 1  # next_tokens = sequence[1:] + [token]
+        drafts = tokens[anchor + 2 : anchor + 2 + k]
+        if spoiled(anchor) < k:
+            drafts[spoiled(anchor)] = 0 if drafts[spoiled(anchor)] else 1
         return drafts, [None] * k, prefix
 
+    def partly_right_matches(tokens_, aux):
+        """replay's view of the same oracle."""
+        return torch.tensor([[j != spoiled(t) for j in range(k)] for t in range(len(tokens_) - 1)])
+
+    tokens = prompt + plain
     for k in (1, 3):
-        calls[0] = 0
         decoder = SpecDecoder(target, drafter, [2, 15, 27], k, temperature=0.0)
         _, real = decoder.generate(prompt, 30, eos_ids=set())
         replayed = decoder.replay(prompt, plain, stop=30)
         assert (replayed.rounds, replayed.accepted_per_pos) == (real.rounds, real.accepted_per_pos)
-        decoder.draft = partly_right
+        decoder.draft, decoder.draft_matches = partly_right, partly_right_matches
         _, real = decoder.generate(prompt, 30, eos_ids=set())
-        calls[0] = 0
         replayed = decoder.replay(prompt, plain, stop=30)
         assert (replayed.rounds, replayed.accepted_per_pos) == (real.rounds, real.accepted_per_pos)
         assert sum(real.accepted_per_pos) > 0 and real.accepted_per_pos[0] < real.rounds
+        assert k == 1 or 0 < real.accepted_per_pos[-1] < real.accepted_per_pos[0]
 
 
 def tiny_target(vocab: int = 12, hidden: int = 32):
