@@ -25,7 +25,7 @@ help: ## List the targets
 
 all: setup ## Set up, build the whole pipeline on the embedded default (dvc repro), print the summary
 	dvc repro
-	$(PY) -m stages.summary
+	$(PY) -m tools.summary
 
 setup: $(STAMP) repo ## Create the environment and the git/DVC repo (idempotent)
 
@@ -55,13 +55,13 @@ repro: setup ## Run the stages whose inputs changed
 	dvc repro
 
 summary: ## Print what the last build produced
-	@$(PY) -m stages.summary
+	@$(PY) -m tools.summary
 
 test: setup ## Run the test suite (sets up first if needed)
 	$(PY) -m pytest -q
 
 # push/pull: JOBS=n parallel transfers (DVC's default: 4 per CPU core), REMOTE=name for a non-default remote.
-# The run cache travels too, with the outputs of every recorded run (stages.remote: DVC pushes the entries only),
+# The run cache travels too, with the outputs of every recorded run (tools/remote.py: DVC pushes the entries only),
 # so `dvc repro --pull` elsewhere restores any run pushed from here instead of recomputing it.
 JOBS ?=
 REMOTE ?=
@@ -69,7 +69,7 @@ TRANSFER_ARGS = $(if $(JOBS),-j $(JOBS)) $(if $(REMOTE),-r $(REMOTE))
 
 push: setup ## Push artifacts, run cache and recorded runs' outputs to the DVC remote (JOBS=n, REMOTE=name); a rerun resumes
 	dvc push --run-cache $(TRANSFER_ARGS)
-	$(PY) -m stages.remote push-runs $(TRANSFER_ARGS)
+	$(PY) -m tools.remote push-runs $(TRANSFER_ARGS)
 
 pull: setup ## Pull artifacts + run cache from the DVC remote (JOBS=n, REMOTE=name); a rerun resumes
 	dvc pull --run-cache $(TRANSFER_ARGS)
@@ -79,16 +79,16 @@ PROFILE ?=
 FORCE ?=
 
 profile: $(STAMP) ## Switch params.yaml to profiles/PROFILE.yaml, printing what changes (no PROFILE: list them)
-	@$(PY) -m stages.profile $(if $(PROFILE),use $(PROFILE) $(if $(FORCE),--force),list)
+	@$(PY) -m tools.profile $(if $(PROFILE),use $(PROFILE) $(if $(FORCE),--force),list)
 
 serve: setup ## Start the inference server for artifacts/target (params: serve.*), wait until it answers
-	$(PY) -m stages.server serve
+	$(PY) -m tools.server serve
 
 stop: ## Stop the server `make serve` (or the generate stage) started, wait until its port is free
-	$(PY) -m stages.server stop
+	$(PY) -m tools.server stop
 
 status: ## Is a server up (which model, since when)? Progress of a running or interrupted generation
-	@$(PY) -m stages.server status
+	@$(PY) -m tools.server status
 
 # The planner's defaults: the question users ask before renting an 8-GPU box. COMPARE=<hw> adds a second machine.
 HW ?= b300-nvl8
@@ -97,7 +97,7 @@ SAMPLES ?= 10000
 PLAN_ARGS ?=
 
 plan: $(STAMP) ## Hours, disk and $ per stage: make plan HW=b300-nvl8 TARGET=kimi-k2.5 SAMPLES=10000 [COMPARE=h200-8]
-	@$(PY) -m stages.plan --hw $(HW) --target $(TARGET) --samples $(SAMPLES) $(if $(COMPARE),--compare $(COMPARE)) $(PLAN_ARGS)
+	@$(PY) -m tools.plan --hw $(HW) --target $(TARGET) --samples $(SAMPLES) $(if $(COMPARE),--compare $(COMPARE)) $(PLAN_ARGS)
 
 report: $(STAMP) ## Write report/ (README.md + PNG plots) from metrics/ as they are now, outside DVC
 	$(PY) -m stages.report
@@ -108,7 +108,7 @@ SGLANG_PY ?= $(PY)
 
 .PHONY: sglang-bench
 sglang-bench: $(STAMP) ## SGLang (GPU): export the drafter for SGLang, serve it with the target, report acceptance + tok/s [SGLANG_PY=python]
-	$(PY) -m stages.sglang_bench --python $(SGLANG_PY)
+	$(PY) -m tools.sglang_bench --python $(SGLANG_PY)
 
 # Data-budget sweep: one `dvc exp run --temp` per value (the workspace is not touched; a rerun skips done values).
 SWEEP_PARAM ?= prompts.num_samples
@@ -116,4 +116,4 @@ SIZES ?= 50 100 200
 
 .PHONY: sweep
 sweep: setup ## Acceptance against data budget: one DVC experiment per SIZES value, plot in sweep/ [SIZES="50 100 200"]
-	$(PY) -m stages.sweep --param $(SWEEP_PARAM) --values $(SIZES)
+	$(PY) -m tools.sweep --param $(SWEEP_PARAM) --values $(SIZES)

@@ -40,15 +40,31 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.ranks import (HostSnapshot, barrier, broadcast_str, finish, gather, host_usage,  # noqa: E402
-                              local_world, process_cores, thread_cpu_seconds, under_torchrun)
-from stages.extract import (Capture, ExtractParams, Sample, distributed, forward_batch, pick_device,  # noqa: E402
-                            store_batch)
-from stages.hidden_reader import HiddenStore  # noqa: E402
-from stages.hidden_store import ArraySpec, ShardWriter, merge_index, rank_todo, write_manifest  # noqa: E402
-from stages.metrics import machine_info  # noqa: E402
-from stages.train_data import batch_loader  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from benchmarks.ranks import (  # noqa: E402
+    HostSnapshot,
+    barrier,
+    broadcast_str,
+    finish,
+    gather,
+    host_usage,
+    local_world,
+    process_cores,
+    thread_cpu_seconds,
+    under_torchrun,
+)
+from eagle3.extraction.hf import distributed, forward_batch, pick_device, store_batch
+from eagle3.extraction.params import ExtractParams
+from eagle3.extraction.samples import Sample
+from eagle3.metrics import machine_info  # noqa: E402
+from eagle3.params import load_section  # noqa: E402
+from eagle3.store.codec import ArraySpec  # noqa: E402
+from eagle3.store.layout import merge_index, rank_todo, write_manifest  # noqa: E402
+from eagle3.store.reader import HiddenStore  # noqa: E402
+from eagle3.store.writer import ShardWriter  # noqa: E402
+from eagle3.target.capture import Capture
+from eagle3.training.data import batch_loader  # noqa: E402
 
 TRAIN_RESULT = Path(__file__).resolve().parent / "results" / "train-h200.json"
 
@@ -236,7 +252,7 @@ def main() -> None:
 def main_ranks(args: argparse.Namespace) -> None:
     """Variant (d) on every rank of a torchrun job: own model, own samples, own shards, one store."""
     rank, world = distributed()
-    device = pick_device(ExtractParams(), rank)
+    device = pick_device(load_section("extract", ExtractParams, REPO / "profiles/llama-3.1-8b.yaml"), rank)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     geometry = TINY if args.tiny else LLAMA_8B
     seq = min(args.seq, geometry["max_position_embeddings"])

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from stages.metrics import machine_info  # noqa: E402
+from eagle3.metrics import machine_info  # noqa: E402
 
 
 def best_seconds(fn, repeats: int, sync) -> float:

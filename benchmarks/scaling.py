@@ -30,7 +30,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from stages.metrics import machine_info  # noqa: E402
+from eagle3.metrics import machine_info  # noqa: E402
 
 BENCHMARKS = {"extract": ROOT / "benchmarks" / "extract_bench.py", "train": ROOT / "benchmarks" / "train_bench.py"}
 # NVLink multicast stays off on the lent multi-GPU machines (it can take a shared host's GPUs down).

@@ -34,7 +34,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script from anywhere
 
-from stages.hidden_store import DEFAULT_LEVEL, compressor, decode_sample, encode_sample  # noqa: E402
+from eagle3.store.codec import DEFAULT_LEVEL, compressor, decode_sample, encode_sample  # noqa: E402
 
 LLAMA8B_HIDDEN = 4096
 DTYPES = {"input_ids": "int32", "loss_mask": "uint8", "aux": "bfloat16", "last": "bfloat16"}

@@ -56,16 +56,18 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a plain script from anywhere
-from benchmarks.ranks import (HostSnapshot, all_agree, finish, gather, host_usage, process_cores,  # noqa: E402
-                              under_torchrun)
-from stages.drafter import Drafter, DrafterConfig, RMSNorm  # noqa: E402
-from stages.hidden_reader import StatePlanes  # noqa: E402
-from stages.metrics import machine_info  # noqa: E402
-from stages.train import (Dist, DraftLoss, Paths, Run, TrainParams, check_params, distribute,  # noqa: E402
-                          init_distributed, make_optimizer, train_step)
-from stages.train_data import Batch, collate  # noqa: E402
-from stages.train_teacher import Teacher  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run as a plain script from anywhere
+from benchmarks.ranks import HostSnapshot, all_agree, finish, gather, host_usage, process_cores, under_torchrun  # noqa: E402
+from eagle3.metrics import machine_info  # noqa: E402
+from eagle3.model.drafter import Drafter, DrafterConfig, RMSNorm  # noqa: E402
+from eagle3.params import load_section  # noqa: E402
+from eagle3.store.reader import StatePlanes  # noqa: E402
+from eagle3.training.data import Batch, collate  # noqa: E402
+from eagle3.training.loop import Dist, Run, distribute, init_distributed, make_optimizer, train_step
+from eagle3.training.objective import DraftLoss
+from eagle3.training.params import Paths, TrainParams, check_params
+from eagle3.training.teacher import Teacher  # noqa: E402
 
 DECAY = 0.8
 AUX_IDS = (2, 16, 29)
@@ -195,13 +197,18 @@ def our_parts(g: Geometry, data: Data, device: torch.device, compiled: bool) -> 
     return OurParts(loss, batch)
 
 
+def gpu_params(**overrides: Any) -> TrainParams:
+    """The llama-3.1-8b profile's training params (optimizer settings of a real GPU run), with overrides."""
+    return dataclasses.replace(load_section("train", TrainParams, REPO / "profiles/llama-3.1-8b.yaml"), **overrides)
+
+
 def ours(g: Geometry, data: Data, device: torch.device, compiled: bool) -> Callable[[], None]:
     """The train stage's step, one process: DraftLoss + AdamW."""
     parts = our_parts(g, data, device, compiled)
     weights = parts.batch.step_weights(g.ttt_steps)
     scale = torch.tensor([DECAY**k for k in range(g.ttt_steps)], device=device) / weights
     params = list(parts.loss.drafter.parameters())
-    optimizer = make_optimizer(parts.loss.drafter, TrainParams(), device)
+    optimizer = make_optimizer(parts.loss.drafter, gpu_params(), device)
 
     def step() -> None:
         with autocast(device):
@@ -216,8 +223,8 @@ def ours_ranks(g: Geometry, data: Data, dist: Dist, compiled: bool, fsdp: bool) 
     """The train stage's own train_step over this rank's batch, with the stage's global-batch rule
     (batches_per_step = world size: per-step means over all ranks' tokens, DDP or FSDP averaging gradients)."""
     parts = our_parts(g, data, dist.device, compiled)
-    params = TrainParams(ttt_steps=g.ttt_steps, step_decay=DECAY, max_seq_len=g.seq, max_tokens_per_batch=g.seq,
-                         batches_per_step=dist.world, compile=compiled, fsdp=fsdp)
+    params = gpu_params(ttt_steps=g.ttt_steps, step_decay=DECAY, max_seq_len=g.seq, max_tokens_per_batch=g.seq,
+                        batches_per_step=dist.world, compile=compiled, fsdp=fsdp)
     check_params(params, dist.world)
     model = distribute(parts.loss, fsdp, dist)
     optimizer = make_optimizer(parts.loss.drafter, params, dist.device)
@@ -380,7 +387,7 @@ def main_ranks(args: argparse.Namespace) -> None:
     gradients = sum(p.numel() for p in loss.drafter.parameters())
     reduce_ms = allreduce_ms(gradients, dist)
     per_rank = gather(result)
-    del step, loss  # DDP's reducer goes before its process group (see stages.train.train)
+    del step, loss  # DDP's reducer goes before its process group (see eagle3.training.loop.train)
     gc.collect()
     if dist.main:
         record = {

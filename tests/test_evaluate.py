@@ -1,11 +1,17 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from stages.evaluate import (EvaluateParams, agreement_failure, conversation, draft_vocab_coverage,
-                             parse_spec_metrics, questions, timed_first_turns)
+from eagle3.engine.client import parse_spec_metrics
+from eagle3.evaluation.acceptance import agreement_failure
+from eagle3.evaluation.offline import draft_vocab_coverage
+from eagle3.evaluation.params import EvaluateParams
+from eagle3.evaluation.questions import conversation, questions, timed_first_turns
+from tests.conftest import shipped
 
 PAGE = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
 vllm:spec_decode_num_drafts_total{engine="0",model_name="target"} 100.0
@@ -56,14 +62,15 @@ def test_throughput_at_a_concurrency_keeps_that_many_requests_in_flight():
 def test_a_concurrency_above_the_questions_is_refused(tmp_path):
     path = tmp_path / "eval.parquet"
     pq.write_table(pa.Table.from_pylist([{"turns": [f"q{i}"], "category": "c"} for i in range(3)]), path)
-    assert len(questions(EvaluateParams(num_questions=3, concurrency=3), path)) == 3
+    assert len(questions(shipped("evaluate", EvaluateParams, num_questions=3, concurrency=3), path)) == 3
     with pytest.raises(ValueError, match=r"concurrency=4 .*expected 1\.\.3 .*eval.parquet"):
-        questions(EvaluateParams(num_questions=80, concurrency=4), path)
-    assert len(questions(EvaluateParams(num_questions=3, concurrency=4, online=False), path)) == 3
+        questions(shipped("evaluate", EvaluateParams, num_questions=80, concurrency=4), path)
+    assert len(questions(shipped("evaluate", EvaluateParams, num_questions=3, concurrency=4, online=False),
+                         path)) == 3
 
 
 def test_histogram_from_chain_counts():
-    from stages.evaluate import histogram
+    from eagle3.evaluation.acceptance import histogram
 
     # 10 rounds: 4 accepted position 0, 2 of those position 1, 1 of those position 2.
     assert histogram([4, 2, 1], 10) == [0.6, 0.2, 0.1, 0.1]
@@ -91,7 +98,7 @@ def exported_copy(drafter, out, edit) -> "Path":
 
     from safetensors.torch import save_file
 
-    from stages.checkpoint import read_checkpoint
+    from eagle3.model.checkpoint import read_checkpoint
 
     config, tensors = read_checkpoint(drafter)
     edit(config, tensors)
@@ -107,13 +114,21 @@ def test_agreement_check_catches_shifted_aux_ids_and_dropped_d2t(embedded_target
     evaluator reads what the drafter was trained with; only the faithful export passes the checks."""
     import dataclasses
     import shutil
-    from pathlib import Path
 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from stages import evaluate, extract, train, vocab
-    from stages.progress import Progress
+    from eagle3.evaluation.acceptance import export_mismatches
+    from eagle3.evaluation.offline import greedy_answers, offline_eval
+    from eagle3.evaluation.online import online_eval
+    from eagle3.evaluation.params import EvalPaths
+    from eagle3.extraction.hf import run_extraction
+    from eagle3.extraction.params import ExtractParams
+    from eagle3.progress import Progress
+    from eagle3.target.chat import render
+    from eagle3.training.loop import train
+    from eagle3.training.params import Paths, TrainParams
+    from eagle3.vocab import VocabParams, build
     from tests.conftest import free_port
 
     # The stages write metrics/ relative to the working directory; serving reads params.yaml's serve section.
@@ -122,26 +137,27 @@ def test_agreement_check_catches_shifted_aux_ids_and_dropped_d2t(embedded_target
     folder, record = embedded_target
     target = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     eos = {tokenizer.convert_tokens_to_ids("<|im_end|>")}
-    prompts = [evaluate.render(tokenizer, [{"role": "user", "content": q}], True) for q in QUESTIONS]
-    answers = [a.tokens for a in evaluate.greedy_answers(target, prompts, 48, eos, tokenizer.eos_token_id, 4,
+    prompts = [render(tokenizer, [{"role": "user", "content": q}], True) for q in QUESTIONS]
+    answers = [a.tokens for a in greedy_answers(target, prompts, 48, eos, tokenizer.eos_token_id, 4,
                                                          Progress("t", 4))]
     responses = tmp_path / "responses.parquet"
     write_responses(responses, tokenizer, prompts, answers)
-    vocab.build(vocab.VocabParams(draft_vocab_size=1024), record["vocab_size"], responses, tmp_path / "vocab",
+    build(shipped("vocab", VocabParams, draft_vocab_size=1024), record["vocab_size"], responses, tmp_path / "vocab",
                 answered=None)
-    extract.run_extraction(extract.ExtractParams(), record, tokenizer, responses, tmp_path / "hidden", tmp_path / "x")
-    paths = train.Paths(hidden=tmp_path / "hidden", vocab=tmp_path / "vocab", target=folder, out=tmp_path / "drafter",
+    run_extraction(shipped("extract", ExtractParams), record, tokenizer, responses, tmp_path / "hidden", tmp_path / "x")
+    paths = Paths(hidden=tmp_path / "hidden", vocab=tmp_path / "vocab", target=folder, out=tmp_path / "drafter",
                         run=tmp_path / "run", curve=tmp_path / "curve.csv", heldout_curve=tmp_path / "heldout.csv")
-    train.train(train.TrainParams(ttt_steps=2, epochs=60, lr=3e-3, warmup_steps=3, eval_fraction=0.0,
-                                  prompt_loss_weight=1.0, max_tokens_per_batch=1024, max_seq_len=1024,
-                                  num_workers=0, checkpoint_every=1000), paths)
+    train(shipped("train", TrainParams, ttt_steps=2, epochs=60, lr=3e-3, warmup_steps=3, eval_fraction=0.0,
+                  prompt_loss_weight=1.0, max_tokens_per_batch=1024, max_seq_len=1024, num_workers=0,
+                  checkpoint_every=1000, intermediate_size=None, head_init="target", step_decay=0.8,
+                  weight_decay=0.0, cpu_bf16=False), paths)
 
-    params = evaluate.EvaluateParams(num_speculative_tokens=2, max_new_tokens=48, offline_batch_size=4,
-                                     throughput_prompts=1, measure_baseline=False, port=free_port())
+    params = shipped("evaluate", EvaluateParams, num_speculative_tokens=2, max_new_tokens=48, offline_batch_size=4,
+                     throughput_prompts=1, measure_baseline=False, concurrency=8, port=free_port())
     items = [{"turns": [q], "category": "test"} for q in QUESTIONS]
-    trained_with = evaluate.EvalPaths(target=folder, drafter=paths.out, vocab=paths.vocab,
+    trained_with = EvalPaths(target=folder, drafter=paths.out, vocab=paths.vocab,
                                       manifest=paths.hidden / "manifest.json", server_state=tmp_path / "server")
-    offline = evaluate.offline_eval(params, record, tokenizer, items, trained_with)
+    offline = offline_eval(params, record, tokenizer, items, trained_with)
     assert offline["acceptance_length"] > 1.4, offline  # a drafter worth checking
     assert offline["draft_vocab_coverage"] == 1.0  # the vocabulary was counted on these very answers
 
@@ -155,14 +171,14 @@ def test_agreement_check_catches_shifted_aux_ids_and_dropped_d2t(embedded_target
     acceptance, mismatches = {}, {}
     for name, served in exports.items():
         export = dataclasses.replace(trained_with, drafter=served)
-        online = evaluate.online_eval(params, record, items, export)
-        acceptance[name] = evaluate.agreement_failure(offline, online, params.agreement_tolerance)
-        mismatches[name] = evaluate.export_mismatches(export)
+        online = online_eval(params, record, items, export)
+        acceptance[name] = agreement_failure(offline, online, params.agreement_tolerance)
+        mismatches[name] = export_mismatches(export)
     assert acceptance["faithful"] is None and mismatches["faithful"] == [], (acceptance, mismatches)
     # Without d2t the engine drafts other tokens: acceptance falls and the check fails, naming both curves.
     assert acceptance["no d2t"] and "position 0" in acceptance["no d2t"]
     assert any("no d2t" in m for m in mismatches["no d2t"])
-    # Adjacent layers' states are alike enough that acceptance may not move (README, evaluate);
+    # Adjacent layers' states are alike enough that acceptance may not move (docs/stages.md, evaluate);
     # the comparison of the served ids with the trained ones catches the shift whatever it does.
     assert any("serves aux layer ids [3, 16, 28]" in m for m in mismatches["aux ids + 1"]), mismatches
 
@@ -173,18 +189,19 @@ def test_greedy_answers_keep_the_aux_states_replay_needs(embedded_target, tokeni
     import torch
     from transformers import AutoModelForCausalLM
 
-    from stages import evaluate
-    from stages.progress import Progress
-    from stages.speculative import SpecDecoder
+    from eagle3.evaluation.offline import greedy_answers
+    from eagle3.evaluation.speculative import SpecDecoder
+    from eagle3.progress import Progress
+    from eagle3.target.chat import render
     from tests.test_speculative import random_drafter
 
     target = AutoModelForCausalLM.from_pretrained(embedded_target[0], dtype=torch.float32).eval()
     decoder = SpecDecoder(target, random_drafter(target.config, [2, 15, 27], torch.arange(512), seed=5),
                           [2, 15, 27], 3, temperature=0.0)
     eos = {tokenizer.convert_tokens_to_ids("<|im_end|>")}
-    prompts = [evaluate.render(tokenizer, [{"role": "user", "content": q}], True)
+    prompts = [render(tokenizer, [{"role": "user", "content": q}], True)
                for q in ("Name three rivers.", "Explain in two sentences why the sky is blue to a child.")]
-    answers = evaluate.greedy_answers(target, prompts, 24, eos, tokenizer.eos_token_id, 2, Progress("t", 2),
+    answers = greedy_answers(target, prompts, 24, eos, tokenizer.eos_token_id, 2, Progress("t", 2),
                                       decoder.capture)
     for prompt, answer in zip(prompts, answers):
         with torch.no_grad():

@@ -11,10 +11,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.checkpoint import read_checkpoint, save_drafter
-from stages.drafter import Drafter, DrafterConfig
-from stages.export_sglang import (EXPORT_KEY, SHIFT, SHIFT_IF_FIRST_IS_ONE, ExportError, capture_points, export,
-                                  main, sglang_defects, sglang_ids, sglang_param, tensor_meta)
+from eagle3.model.checkpoint import read_checkpoint, save_drafter
+from eagle3.model.drafter import Drafter, DrafterConfig
+from eagle3.model.sglang import (
+    EXPORT_KEY,
+    SHIFT,
+    SHIFT_IF_FIRST_IS_ONE,
+    ExportError,
+    capture_points,
+    export,
+    sglang_defects,
+    sglang_ids,
+    sglang_param,
+    tensor_meta,
+)
+from tools.export_sglang import main
 
 TARGET_LAYERS, HIDDEN, VOCAB, DRAFT_VOCAB = 6, 64, 100, 40
 

@@ -9,10 +9,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from stages import extract
-from stages.extract import ExtractError, ExtractParams, run_extraction
-from stages.prompts import render
-from stages.hidden_reader import HiddenStore, to_torch
+from eagle3.extraction import hf as extract
+from eagle3.extraction.hf import run_extraction
+from eagle3.extraction.params import ExtractError, ExtractParams
+from eagle3.store.reader import HiddenStore, to_torch
+from eagle3.target.chat import render
+from tests.conftest import shipped
 
 TEXTS = ["What is the capital of France?", "Write two lines about the sea.", "Count to five.",
          "Name a fruit that is red and round, and explain in a few words why people like it.", "Hi"]
@@ -34,7 +36,7 @@ def responses(tmp_path_factory, tokenizer):
 
 
 def run(embedded_target, tokenizer, responses, tmp_path, answered=None, **overrides):
-    params = ExtractParams(**{"compress_threads": 1, **overrides})
+    params = shipped("extract", ExtractParams, **{"compress_threads": 1, **overrides})
     summary = run_extraction(params, embedded_target[1], tokenizer, responses=responses, out=tmp_path / "hidden",
                              work_root=tmp_path / "work", answered=answered)
     return summary, HiddenStore(tmp_path / "hidden")
@@ -42,7 +44,7 @@ def run(embedded_target, tokenizer, responses, tmp_path, answered=None, **overri
 
 def answered_file(tokenizer, path, conversations):
     """Conversations kept with their dataset answers, as the prompts stage writes them."""
-    from stages.prompts import ANSWERED_SCHEMA
+    from eagle3.data.prompts import ANSWERED_SCHEMA
 
     rows = [{"id": f"a{i}", "messages": json.dumps(c), "token_ids": render(tokenizer, c, generation_prompt=False),
              "num_prompt_tokens": 0, "source": "test", "origin": f"row {i}"} for i, c in enumerate(conversations)]
@@ -108,8 +110,13 @@ def test_resume_after_a_crash_stores_each_sample_once(embedded_target, tokenizer
 def test_over_length_sequences_truncated_or_skipped(embedded_target, tokenizer, responses, tmp_path):
     summary, store = run(embedded_target, tokenizer, responses, tmp_path / "t", max_seq_len=40)
     assert summary["truncated"] == len(TEXTS) and store.num_tokens.max() == 40
-    summary, store = run(embedded_target, tokenizer, responses, tmp_path / "s", max_seq_len=40, over_length="skip")
-    assert summary["skipped"] == len(TEXTS) and summary["samples"] == 0
+    summary, store = run(embedded_target, tokenizer, responses, tmp_path / "s", max_seq_len=60, over_length="skip")
+    longer = sum(len(r["prompt_token_ids"]) + len(r["completion_token_ids"]) > 60
+                 for r in pq.read_table(responses).to_pylist())
+    assert 0 < longer < len(TEXTS) and summary["skipped"] == longer and summary["samples"] == len(TEXTS) - longer
+    # Asked to store the samples and left with none: an error, not an empty store handed to training.
+    with pytest.raises(ExtractError, match=r"no sample to store \(5 skipped as longer than extract.max_seq_len=40\)"):
+        run(embedded_target, tokenizer, responses, tmp_path / "none", max_seq_len=40, over_length="skip")
 
 
 def test_responses_from_another_tokenizer_are_refused(embedded_target, tokenizer, responses, tmp_path):

@@ -14,12 +14,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-
 from fault_proxy import FaultProxy
-from stages import server
-from stages.prompts import render
-from stages.prompts import prompt_id
-from stages.target import TargetParams, build
+
+from eagle3.data.prompts import prompt_id
+from eagle3.engine.state import running_server
+from eagle3.target.build import TargetParams, build
+from eagle3.target.chat import render
+from tests.conftest import shipped
 
 REPO = Path(__file__).resolve().parent.parent
 QUESTIONS = ["What is the capital of France?", "Name three primary colours.", "Write a haiku about rain.",
@@ -176,7 +177,7 @@ def linked_target(src: Path, dst: Path, template: str | None = None) -> Path:
 
 
 def test_server_serving_another_model_or_template_is_refused(tmp_path, embedded_target, vllm_server):
-    other = build(TargetParams(source=str(linked_target(embedded_target[0], tmp_path / "other"))),
+    other = build(shipped("target", TargetParams, dtype="float32", source=str(linked_target(embedded_target[0], tmp_path / "other"))),
                   out=tmp_path / "other-target")
     cwd = workdir(tmp_path / "a", other["model_path"] and tmp_path / "other-target", make_prompts(QUESTIONS[:1]),
                   server_url=vllm_server.url)
@@ -218,13 +219,13 @@ def test_thinking_template_with_a_managed_server(tmp_path, embedded_target):
 
     folder = linked_target(embedded_target[0], tmp_path / "thinking", THINKING_TEMPLATE)
     with_think_tokens(folder)
-    thinking = build(TargetParams(source=str(folder)), out=tmp_path / "target")
+    thinking = build(shipped("target", TargetParams, dtype="float32", source=str(folder)), out=tmp_path / "target")
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "target")
     cwd = workdir(tmp_path / "w", tmp_path / "target", make_prompts(QUESTIONS[:3]),
                   serve={"port": free_port(), "max_model_len": 1024, "reasoning_parser": "deepseek_r1"})
     result = generate(cwd)
     assert "serve: started pid" in result.stderr
-    assert server.running_server(cwd / "run/server") is None  # stopped again: it started it
+    assert running_server(cwd / "run/server") is None  # stopped again: it started it
     think = tokenizer.encode("<|im_start|>assistant\n<think>\n", add_special_tokens=False)
     assert tokenizer.convert_tokens_to_ids("<think>") in think  # one wrapper token, not its spelling
     rows = responses(cwd)
@@ -253,3 +254,18 @@ def test_multi_turn_last_and_all_modes(tmp_path, embedded_target, vllm_server):
     context = json.loads(second["messages"])
     assert [m["role"] for m in context] == ["user", "assistant", "user"]
     assert context[1]["content"] == first["content"] != "ORIGINAL"  # the model's own earlier answer
+
+
+def test_deterministic_mode_gives_the_same_ids_run_after_run(tmp_path, embedded_target):
+    """One request at a time to a server started without prefix caching: two runs, each with its own
+    server, store identical token ids (batched runs need not: vLLM's numerics depend on the batch)."""
+    from conftest import free_port
+
+    runs = []
+    for name in ("first", "second"):
+        cwd = workdir(tmp_path / name, embedded_target[0], make_prompts(QUESTIONS[:4]), serve={"port": free_port()},
+                      deterministic=True, max_tokens=48)
+        generate(cwd)
+        assert "--no-enable-prefix-caching" in (cwd / "run/server/server.log").read_text()
+        runs.append([row["completion_token_ids"] for row in responses(cwd)])
+    assert runs[0] == runs[1] and all(len(ids) > 1 for ids in runs[0])

@@ -14,8 +14,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from stages import hidden_store
-from stages.hidden_reader import (
+from eagle3 import atomic
+from eagle3.store import codec, layout
+from eagle3.store.layout import completed_sample_ids, merge_index, rank_todo, write_manifest
+from eagle3.store.reader import (
     HiddenStateStream,
     HiddenStore,
     StatePlanes,
@@ -24,14 +26,7 @@ from stages.hidden_reader import (
     join_planes,
     to_torch,
 )
-from stages.hidden_store import (
-    ShardWriter,
-    StoreWriteError,
-    completed_sample_ids,
-    merge_index,
-    rank_todo,
-    write_manifest,
-)
+from eagle3.store.writer import ShardWriter, StoreWriteError
 
 HT = 4  # target hidden size of the toy samples
 
@@ -57,9 +52,9 @@ def write(root: Path, sample_ids: list[str], *, rank: int = 0, **kwargs: object)
             writer.put(sid, toy_sample(int(sid[1:])))
 
 
-def finish(root: Path) -> hidden_store.StoreTotals:
+def finish(root: Path) -> layout.StoreTotals:
     totals = merge_index(root)
-    spec = hidden_store.ArraySpec
+    spec = codec.ArraySpec
     write_manifest(
         root,
         model_hash="test",
@@ -72,7 +67,7 @@ def finish(root: Path) -> hidden_store.StoreTotals:
             "aux": spec("bfloat16", (3 * HT,)),
             "last": spec("bfloat16", (HT,)),
         },
-        level=hidden_store.DEFAULT_LEVEL,
+        level=codec.DEFAULT_LEVEL,
         totals=totals,
     )
     return totals
@@ -137,7 +132,7 @@ def test_roundtrip_is_bitwise_for_every_bf16_pattern(tmp_path: Path) -> None:
 
 
 def index_row(root: Path, sample_id: str) -> dict[str, object]:
-    rows = pq.read_table(root / hidden_store.INDEX_NAME).to_pylist()
+    rows = pq.read_table(root / layout.INDEX_NAME).to_pylist()
     return next(row for row in rows if row["sample_id"] == sample_id)
 
 
@@ -171,9 +166,9 @@ def test_resume_after_crash_stores_exactly_the_missing_samples(tmp_path: Path) -
     everything = ids(10)
     write(tmp_path, everything[:6])  # shards 0..2
     # the crash: shard 2 renamed but its index part never written, shard 3 half written
-    (tmp_path / hidden_store.index_part_name(0, 2)).unlink()
-    (tmp_path / (hidden_store.shard_name(0, 3) + ".tmp")).write_bytes(b"half a shard")
-    (tmp_path / (hidden_store.index_part_name(0, 3) + ".tmp")).write_bytes(b"x")
+    (tmp_path / layout.index_part_name(0, 2)).unlink()
+    (tmp_path / (layout.shard_name(0, 3) + ".tmp")).write_bytes(b"half a shard")
+    (tmp_path / (layout.index_part_name(0, 3) + ".tmp")).write_bytes(b"x")
 
     done = completed_sample_ids(tmp_path)
     assert done == set(everything[:4])
@@ -182,8 +177,8 @@ def test_resume_after_crash_stores_exactly_the_missing_samples(tmp_path: Path) -
     write(tmp_path, todo)
 
     assert no_temp_files(tmp_path)
-    assert not (tmp_path / hidden_store.shard_name(0, 2)).exists()  # numbering went on after it
-    assert (tmp_path / hidden_store.shard_name(0, 5)).exists()
+    assert not (tmp_path / layout.shard_name(0, 2)).exists()  # numbering went on after it
+    assert (tmp_path / layout.shard_name(0, 5)).exists()
     totals = finish(tmp_path)
     store = HiddenStore(tmp_path)
     assert totals.samples == 10 and sorted(store.sample_ids) == everything
@@ -192,7 +187,7 @@ def test_resume_after_crash_stores_exactly_the_missing_samples(tmp_path: Path) -
 
 
 def fill_disk_after(budget: int):
-    """A _write_bytes that writes what fits into `budget` bytes, then fails like a full disk."""
+    """An atomic._write that writes what fits into `budget` bytes, then fails like a full disk."""
     written = 0
 
     def write_bytes(f, data) -> None:
@@ -209,12 +204,12 @@ def fill_disk_after(budget: int):
 
 
 def fail_index_part(number: int):
-    """A _write_bytes that fails the `number`-th index part write with ENOSPC."""
+    """An atomic._write that fails the `number`-th index part write with ENOSPC."""
     count = 0
 
     def write_bytes(f, data) -> None:
         nonlocal count
-        if f.name.endswith(".parquet.tmp"):
+        if ".parquet." in f.name and f.name.endswith(".tmp"):
             count += 1
             if count == number:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -233,14 +228,14 @@ def test_full_disk_leaves_no_partial_files(
     first_two = sum(
         (dry / name(0, seq)).stat().st_size
         for seq in (0, 1)
-        for name in (hidden_store.shard_name, hidden_store.index_part_name)
+        for name in (layout.shard_name, layout.index_part_name)
     )
     root = tmp_path / "store"
     if failure == "in_shard":
-        third_half = (dry / hidden_store.shard_name(0, 2)).stat().st_size // 2
-        monkeypatch.setattr(hidden_store, "_write_bytes", fill_disk_after(first_two + third_half))
+        third_half = (dry / layout.shard_name(0, 2)).stat().st_size // 2
+        monkeypatch.setattr(atomic, "_write", fill_disk_after(first_two + third_half))
     else:
-        monkeypatch.setattr(hidden_store, "_write_bytes", fail_index_part(3))
+        monkeypatch.setattr(atomic, "_write", fail_index_part(3))
 
     with pytest.raises(StoreWriteError) as info:
         write(root, everything)
@@ -250,7 +245,7 @@ def test_full_disk_leaves_no_partial_files(
 
     assert no_temp_files(root)
     assert sorted(p.name for p in root.iterdir()) == sorted(
-        name(0, seq) for seq in (0, 1) for name in (hidden_store.shard_name, hidden_store.index_part_name)
+        name(0, seq) for seq in (0, 1) for name in (layout.shard_name, layout.index_part_name)
     )
     assert completed_sample_ids(root) == set(everything[:4])
 
@@ -318,4 +313,4 @@ def test_unknown_codec_is_named() -> None:
     header = json.dumps({"id": "s0", "arrays": [{"name": "aux", "dtype": "bfloat16", "shape": [1, 2],
                                                  "codec": "lz4", "size": 0}]}).encode()
     with pytest.raises(ValueError, match="array 'aux': unknown codec 'lz4'"):
-        hidden_store.decode_sample(struct.pack("<I", len(header)) + header)
+        codec.decode_sample(struct.pack("<I", len(header)) + header)

@@ -1,10 +1,11 @@
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
 
-from stages.params import ParamsError, section_from_dict
+from eagle3.params import SECTIONS, ParamsError, section_class, section_from_dict
 
 
 @dataclass
@@ -13,18 +14,29 @@ class Example:
     optional: str = "x"
 
 
-def test_section_accepts_known_keys_and_defaults():
-    assert section_from_dict("ex", {"required": 3}, Example) == Example(3, "x")
+def test_every_key_is_required_even_one_with_a_dataclass_default():
+    assert section_from_dict("ex", {"required": 3, "optional": "y"}, Example) == Example(3, "y")
+    with pytest.raises(ParamsError, match=r"ex\.optional: missing key \(expected a value of type str"):
+        section_from_dict("ex", {"required": 3}, Example)
 
 
 def test_unknown_key_is_named():
     with pytest.raises(ParamsError, match=r"ex\.requird: unknown key \(expected: required, optional\)"):
-        section_from_dict("ex", {"required": 1, "requird": 2}, Example)
+        section_from_dict("ex", {"required": 1, "optional": "x", "requird": 2}, Example)
 
 
 def test_missing_key_is_named():
     with pytest.raises(ParamsError, match=r"ex\.required: missing key"):
         section_from_dict("ex", {"optional": "y"}, Example)
+
+
+def test_params_sections_have_no_defaults_of_their_own():
+    """params.yaml is the one source of values: a dataclass default could only ever disagree with it."""
+    for section in SECTIONS:
+        cls = section_class(section)
+        defaults = [f.name for f in dataclasses.fields(cls)
+                    if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING]
+        assert not defaults, f"{cls.__name__} has defaults for {defaults}: params.yaml sets every key"
 
 
 def test_missing_section_is_named():
@@ -34,11 +46,14 @@ def test_missing_section_is_named():
 
 @dataclass
 class Typed:
-    count: int = 1
-    rate: float = 0.5
-    name: str | None = None
-    ids: list[int] | None = None
-    on: bool = False
+    count: int
+    rate: float
+    name: str | None
+    ids: list[int] | None
+    on: bool
+
+
+VALID = {"count": 2, "rate": 3, "name": None, "ids": [2, 15, 27], "on": True}
 
 
 @pytest.mark.parametrize("key, value", [
@@ -52,9 +67,8 @@ class Typed:
 ])
 def test_value_of_the_wrong_type_is_named(key, value):
     with pytest.raises(ParamsError, match=rf"ex\.{key}: .* is not of type"):
-        section_from_dict("ex", {key: value}, Typed)
+        section_from_dict("ex", {**VALID, key: value}, Typed)
 
 
 def test_values_of_the_declared_types_pass():
-    raw = {"count": 2, "rate": 3, "name": None, "ids": [2, 15, 27], "on": True}
-    assert section_from_dict("ex", raw, Typed) == Typed(**raw)
+    assert section_from_dict("ex", VALID, Typed) == Typed(**VALID)

@@ -9,16 +9,25 @@ from pathlib import Path
 
 import pytest
 
-from stages import plan, plan_model as model
-from stages.plan_calibrate import CalibrationError, calibrate
-from stages.plan_profiles import (DrafterGeometry, Hardware, Moe, ProfileError, Target, available, load_hardware,
-                                  load_target)
+from tools import plan
+from tools.planner import model
+from tools.planner.calibrate import CalibrationError, calibrate
+from tools.planner.profiles import (
+    DrafterGeometry,
+    Hardware,
+    Moe,
+    ProfileError,
+    Target,
+    available,
+    load_hardware,
+    load_target,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
-PROFILES = ROOT / "profiles"
+PROFILES = ROOT / "tools" / "planner"
 RESULTS = ROOT / "benchmarks" / "results"
 # Predictions calibrated on the 2-core CPU run must land within this factor of the H200 benchmarks
-# (README "Planning a hero run").
+# (docs/planning.md).
 CPU_TO_H200_FACTOR = 4.0
 
 TOY_DRAFTER = DrafterGeometry(hidden_size=4, intermediate_size=8, heads=2, kv_heads=1, head_dim=2, draft_vocab=6)

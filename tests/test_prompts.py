@@ -1,19 +1,30 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from stages.prompts import (DropLog, PromptsError, PromptsParams, RowError, apply_policy, build, iter_hf,
-                            iter_json_array_items, iter_jsonl, normalize_messages, package_file, render,
-                            SHAREGPT_FILE, SHAREGPT_PACKAGE, usable_rows, with_dataset_answer)
+from eagle3.data.prompts import PromptsParams, apply_policy, build, usable_rows, with_dataset_answer
+from eagle3.data.sources import (
+    SHAREGPT_FILE,
+    SHAREGPT_PACKAGE,
+    DropLog,
+    PromptsError,
+    RowError,
+    iter_hf,
+    iter_json_array_items,
+    normalize_messages,
+    package_file,
+)
+from eagle3.target.chat import render
+from tests.conftest import shipped
 
 
 def run(embedded_target, tmp_path, **overrides):
-    params = PromptsParams(**{"num_samples": 30, **overrides})
+    params = shipped("prompts", PromptsParams, **{"num_samples": 30, "max_prompt_tokens": 1024, "dataset_answers": 0,
+                                                  **overrides})
     out = tmp_path / "prompts"
     stats = build(params, target_dir=embedded_target[0], out=out)
     return stats, pq.read_table(out / "train.parquet").to_pylist(), pq.read_table(out / "eval.parquet").to_pylist()
@@ -101,6 +112,24 @@ def test_zero_usable_rows_is_an_error(embedded_target, tmp_path):
     bad.write_text("\n".join(BAD_ROWS[1:6]) + "\n")
     with pytest.raises(PromptsError, match="zero usable rows"):
         run(embedded_target, tmp_path, source=str(bad))
+
+
+def test_a_blank_line_is_counted_with_its_line_number(embedded_target, tmp_path):
+    source = tmp_path / "blank.jsonl"
+    source.write_text(BAD_ROWS[0] + "\n\n" + BAD_ROWS[7] + "\n")
+    stats, train, _ = run(embedded_target, tmp_path, source=str(source), num_samples=10)
+    assert len(train) == 2 and stats["dropped"] == {"blank_line": 1}
+    assert stats["examples"]["blank_line"] == [f"{source} line 2: blank_line"]
+
+
+def test_dataset_answers_asked_for_and_none_usable_is_an_error(embedded_target, tmp_path):
+    """Every row serves as a prompt or has no answer: an empty answered.parquet would pass silently."""
+    source = tmp_path / "questions.jsonl"
+    source.write_text("\n".join(f'{{"messages": [{{"role": "user", "content": "Question {i}?"}}]}}' for i in range(8)))
+    with pytest.raises(PromptsError, match=r"prompts.dataset_answers=5: no conversation with a usable dataset answer "
+                                           r"is left after the 3 prompts \(dropped: \{'no_dataset_answer': 5\}\)"):
+        run(embedded_target, tmp_path, source=str(source), num_samples=3, dataset_answers=5)
+    assert not (tmp_path / "prompts").exists()  # nothing written
 
 
 def test_too_long_prompts_are_dropped_and_counted(embedded_target, tmp_path):

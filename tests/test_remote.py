@@ -1,7 +1,7 @@
 """DVC remotes for real: an S3 endpoint on loopback (moto_server), push from one clone, pull into others.
 
 Credentials are dummies and reach DVC through the environment only; the endpoint sits in
-.dvc/config.local (never committed) or AWS_ENDPOINT_URL, as README "Artifacts on a remote" says.
+.dvc/config.local (never committed) or AWS_ENDPOINT_URL, as docs/runs.md "Artifacts on a remote" says.
 """
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import free_port
 from dvc_repo import REPO, copy_built, repo_env, sh, write_params
 
@@ -92,7 +91,7 @@ def test_push_then_pull_into_clean_clones_reruns_nothing(built_repo, tmp_path, s
     # What `make push JOBS=4` runs.
     pushed = sh(["dvc", "push", "--run-cache", "-j", "4"], first, env)
     assert re.search(r"\d+ files? pushed", pushed), pushed
-    runs = sh(["python", "-m", "stages.remote", "push-runs", "-j", "4"], first, env)
+    runs = sh(["python", "-m", "tools.remote", "push-runs", "-j", "4"], first, env)
     assert re.search(r"outputs of \d+ recorded runs pushed \([1-9]\d* objects", runs), runs
 
     # Clone 2: dvc pull (prompts and what it depends on: the later stages were never built here), then repro
@@ -184,4 +183,4 @@ def test_make_passes_jobs_and_remote_to_dvc():
     dry = subprocess.run(["make", "-n", "push", "pull", "JOBS=16", "REMOTE=s3"], cwd=REPO, capture_output=True,
                          text=True, check=True).stdout
     assert "dvc push --run-cache -j 16 -r s3" in dry and "dvc pull --run-cache -j 16 -r s3" in dry
-    assert "-m stages.remote push-runs -j 16 -r s3" in dry
+    assert "-m tools.remote push-runs -j 16 -r s3" in dry

@@ -5,7 +5,8 @@ import csv
 import json
 from pathlib import Path
 
-from stages import report, summary
+from eagle3 import report
+from tools import summary
 
 MACHINE = {"cpu_model": "AMD EPYC", "cpu_cores": 2, "gpu_model": None, "gpu_count": 0}
 
@@ -85,7 +86,7 @@ def test_resumed_stage_is_flagged(tmp_path):
 def test_make_summary_prints_the_report_summary(tmp_path, monkeypatch, capsys):
     full_run(tmp_path / "metrics")
     monkeypatch.chdir(tmp_path)
-    summary.main()
+    summary.main([])
     out = capsys.readouterr().out
     assert out.splitlines() == report.summary_lines(report.collect(Path("metrics")))
     assert "total" in out and "acceptance length" in out

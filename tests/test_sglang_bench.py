@@ -5,9 +5,11 @@ from pathlib import Path
 
 import pytest
 
-from stages import server
-from stages.metrics import gpus
-from stages.sglang_bench import BenchParams, acceptance, importable, main, missing_requirements, sglang_command
+from eagle3.engine.server import ServeParams
+from eagle3.metrics import gpus
+from eagle3.params import read_params
+from tests.conftest import REPO, shipped
+from tools.sglang_bench import BenchParams, acceptance, importable, main, missing_requirements, sglang_command
 
 
 def test_missing_gpu_and_sglang_are_both_named():
@@ -28,9 +30,10 @@ def test_main_exits_2_saying_what_is_missing_here(capsys):
 
 
 def test_command_drafts_a_chain_of_k_tokens_from_the_export():
-    serve = server.ServeParams(max_model_len=4096, tensor_parallel_size=2)
+    serve = shipped("serve", ServeParams, max_model_len=4096, tensor_parallel_size=2)
     record = {"model_path": "artifacts/target", "revision": None}
-    params = BenchParams(num_speculative_tokens=3, port=8021)
+    params = BenchParams.from_evaluate(read_params(REPO / "params.yaml")["evaluate"], port=8021)
+    params.num_speculative_tokens = 3
     cmd = sglang_command("/env/bin/python", serve, record, params, Path("artifacts/drafter-sglang"))
     assert cmd[:3] == ["/env/bin/python", "-m", "sglang.launch_server"]
     flags = dict(zip(cmd[3::2], cmd[4::2]))
@@ -63,6 +66,7 @@ def test_no_verify_steps_means_the_drafter_did_not_run():
 
 
 def test_params_follow_the_vllm_evaluation():
-    params = BenchParams.from_evaluate({"num_speculative_tokens": 5, "temperature": 0.7, "turns": 1, "port": 8010,
-                                        "offline": True, "agreement_tolerance": 0.1}, port=8030)
+    evaluate = read_params(REPO / "params.yaml")["evaluate"] | {"num_speculative_tokens": 5, "temperature": 0.7,
+                                                                 "turns": 1, "port": 8010}
+    params = BenchParams.from_evaluate(evaluate, port=8030)
     assert (params.num_speculative_tokens, params.temperature, params.turns, params.port) == (5, 0.7, 1, 8030)

@@ -6,10 +6,10 @@ from collections import Counter
 import pytest
 import torch
 
-from stages.checkpoint import LoadedDrafter
-from stages.drafter import Drafter, DrafterConfig
-from stages.prompts import render
-from stages.speculative import SpecDecoder
+from eagle3.evaluation.speculative import SpecDecoder
+from eagle3.model.checkpoint import LoadedDrafter
+from eagle3.model.drafter import Drafter, DrafterConfig
+from eagle3.target.chat import render
 
 
 def random_drafter(target_config, aux_ids, draft_ids: torch.Tensor, seed: int = 0) -> LoadedDrafter:
@@ -195,8 +195,8 @@ def test_decodes_on_the_targets_gpu(tmp_path):
     """On a GPU machine the offline evaluator loads the target there and keeps every tensor there:
     greedy output equals the target's own greedy decoding, the batched greedy answers' captured
     states replay to generate()'s counts, and sampling runs on a GPU generator."""
-    from stages.evaluate import greedy_answers, load_target
-    from stages.progress import Progress
+    from eagle3.evaluation.offline import greedy_answers, load_target
+    from eagle3.progress import Progress
 
     tiny_target(vocab=64, hidden=64).save_pretrained(tmp_path)  # head_dim 16: flex attention's minimum
     target = load_target({"model_path": str(tmp_path), "dtype": "float32"})

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from stages import sweep
+from tools import sweep
 
 
 def exp_show_tree(points: dict[str, tuple[int, float | None]]) -> list:

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from stages.target import (TargetError, TargetParams, build, default_aux_layer_ids, sha256_files,
-                           source_kind, weight_files)
+from eagle3.target.build import TargetParams, build, source_kind, weight_files
+from eagle3.target.record import TargetError, default_aux_layer_ids, sha256_files
+from tests.conftest import shipped
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -68,7 +69,7 @@ def linked_copy(src: Path, dst: Path) -> Path:
 def test_local_directory_source_points_to_weights(embedded_target, tmp_path):
     folder, embedded_record = embedded_target
     local = linked_copy(folder, tmp_path / "model")
-    record = build(TargetParams(source=str(local)), out=tmp_path / "out")
+    record = build(shipped("target", TargetParams, dtype="float32", source=str(local)), out=tmp_path / "out")
     assert record["source_kind"] == "local"
     assert record["model_path"] == str(local.resolve())
     assert record["weights_hash"] == embedded_record["weights_hash"]
@@ -103,7 +104,7 @@ def test_bad_local_directory(embedded_target, tmp_path, defect, message):
         config["architectures"] = ["GPT2LMHeadModel"]
         (local / "config.json").write_text(json.dumps(config))
     with pytest.raises(TargetError, match=message):
-        build(TargetParams(source=str(local)), out=tmp_path / "out")
+        build(shipped("target", TargetParams, dtype="float32", source=str(local)), out=tmp_path / "out")
     assert not (tmp_path / "out").exists()  # a failed build leaves no half-written output
 
 

@@ -22,14 +22,18 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from stages import train_state
-from stages.checkpoint import save_drafter, validate
-from stages.drafter import Drafter, DrafterConfig
-from stages.hidden_reader import StatePlanes
-from stages.hidden_store import ShardWriter, merge_index, write_manifest
-from stages.train import DraftLoss, Paths, TrainError, TrainParams, check_params, make_plan, train
-from stages.train_data import Batch, collate
-from stages.train_teacher import Teacher, load_teacher, target_config
+from eagle3.model.checkpoint import save_drafter, validate
+from eagle3.model.drafter import Drafter, DrafterConfig
+from eagle3.store.layout import merge_index, write_manifest
+from eagle3.store.reader import StatePlanes
+from eagle3.store.writer import ShardWriter
+from eagle3.training import state as train_state
+from eagle3.training.data import Batch, collate, make_plan
+from eagle3.training.loop import train
+from eagle3.training.objective import DraftLoss
+from eagle3.training.params import Paths, TrainError, TrainParams, check_params
+from eagle3.training.teacher import Teacher, load_teacher, target_config
+from tests.conftest import shipped
 
 VOCAB, HIDDEN, LAYERS, DRAFT_VOCAB = 512, 64, 4, 128
 AUX_IDS = [1, 2, 3]
@@ -150,8 +154,9 @@ def workspace(tmp_path_factory) -> Path:
 def small_params(**overrides) -> TrainParams:
     fields = dict(ttt_steps=3, epochs=4, max_seq_len=48, max_tokens_per_batch=96, batches_per_step=2,
                   length_group=8, lr=1e-2, warmup_steps=2, eval_fraction=0.2, log_every=1,
-                  checkpoint_every=3, num_workers=0, ce_chunk_size=64)
-    return TrainParams(**(fields | overrides))
+                  checkpoint_every=3, num_workers=0, ce_chunk_size=64, intermediate_size=None, head_init="target",
+                  step_decay=0.8, prompt_loss_weight=0.0, weight_decay=0.0, cpu_bf16=False)
+    return shipped("train", TrainParams, **(fields | overrides))
 
 
 def paths_for(workspace: Path, out: Path) -> Paths:

@@ -6,9 +6,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from stages.checkpoint import read_checkpoint, save_drafter, validate
-from stages.drafter import Drafter, DrafterConfig
-from stages.validate import main
+from eagle3.model.checkpoint import read_checkpoint, save_drafter, validate
+from eagle3.model.drafter import Drafter, DrafterConfig
+from tools.validate import main
 
 TARGET_LAYERS, HIDDEN, VOCAB, DRAFT_VOCAB = 6, 64, 100, 40
 

@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 from safetensors.numpy import save_file
 
-from stages.vocab import VocabParams, build, top_n_map
+from eagle3.vocab import VocabParams, build, top_n_map
 
 
 def write_responses(path, completions, prompt=(0, 0, 0)):
@@ -30,7 +30,7 @@ def test_top_n_by_frequency_ties_by_id_unseen_fill():
 
 def test_counts_only_generated_tokens_and_reports_coverage(tmp_path):
     responses = write_responses(tmp_path / "r.parquet", [[5, 5, 5, 7], [7, 9, 5]])  # prompt ids (0) never count
-    stats = build(VocabParams(draft_vocab_size=2), vocab_size=16, responses=responses, out=tmp_path / "vocab",
+    stats = build(VocabParams(draft_vocab_size=2, from_drafter=None), vocab_size=16, responses=responses, out=tmp_path / "vocab",
                   answered=None)
     d2t, t2d = np.load(tmp_path / "vocab/d2t.npy"), np.load(tmp_path / "vocab/t2d.npy")
     assert (np.arange(2) + d2t).tolist() == [5, 7] and t2d.sum() == 2 and t2d.size == 16
@@ -49,7 +49,7 @@ def test_ties_and_unused_ids_go_to_the_rest_of_the_training_text(tmp_path):
     responses = write_responses(tmp_path / "r.parquet", [[5, 5, 7]], prompt=(12, 13))
     answered = tmp_path / "answered.parquet"
     pq.write_table(pa.Table.from_pylist([{"token_ids": [11, 11, 11, 13, 13]}]), answered)
-    stats = build(VocabParams(draft_vocab_size=4), vocab_size=16, responses=responses, out=tmp_path / "vocab",
+    stats = build(VocabParams(draft_vocab_size=4, from_drafter=None), vocab_size=16, responses=responses, out=tmp_path / "vocab",
                   answered=answered)
     assert (np.arange(4) + np.load(tmp_path / "vocab/d2t.npy")).tolist() == [5, 7, 11, 13]
     assert stats["filled_from_context"] == 2 and stats["coverage"] == 1.0
@@ -73,7 +73,7 @@ def test_existing_drafter_map_is_kept(tmp_path):
 def test_bad_input(tmp_path):
     responses = write_responses(tmp_path / "r.parquet", [[3, 99]])
     with pytest.raises(ValueError, match="completion_token_ids has token id 99 outside the target vocabulary"):
-        build(VocabParams(draft_vocab_size=4), vocab_size=16, responses=responses, out=tmp_path / "v",
+        build(VocabParams(draft_vocab_size=4, from_drafter=None), vocab_size=16, responses=responses, out=tmp_path / "v",
               answered=None)
     with pytest.raises(ValueError, match="draft_vocab_size=32: expected 1..16"):
-        build(VocabParams(draft_vocab_size=32), vocab_size=16, responses=responses, out=tmp_path / "v")
+        build(VocabParams(draft_vocab_size=32, from_drafter=None), vocab_size=16, responses=responses, out=tmp_path / "v")

@@ -1,0 +1,165 @@
+"""Extraction through HF transformers: one forward of the target's decoder per batch, hooks on the
+layers the drafter needs (eagle3/target/capture.py), states into the shard store.
+
+Samples are batched by length, right-padded (causal attention never lets a real position see the
+padding after it). On a GPU the states go to pinned host memory asynchronously and are
+compressed in threads while the next batch runs. Work lands in run/extract/<fingerprint>/ and
+resumes from its last complete shard; under torchrun each rank writes its own shards and rank 0
+merges the index. A target larger than one GPU is split by layers (`extract.device_map: auto`).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from eagle3.extraction.params import OVER_LENGTH, ExtractError, ExtractParams
+from eagle3.extraction.samples import (
+    LAYER_ID_CONVENTION,
+    Sample,
+    fingerprint,
+    length_batches,
+    load_samples,
+    resolve_aux_ids,
+)
+from eagle3.progress import Progress
+from eagle3.store.codec import ArraySpec
+from eagle3.store.layout import completed_sample_ids, merge_index, rank_todo, write_manifest
+from eagle3.store.writer import ShardWriter
+from eagle3.target.capture import Capture
+
+RESPONSES = Path("artifacts/responses/responses.parquet")
+ANSWERED = Path("artifacts/prompts/answered.parquet")  # conversations that keep the dataset's answer
+WORK_DIR = Path("run/extract")
+HIDDEN_DIR = Path("artifacts/hidden")
+
+
+def pad_batch(batch: list[Sample], device: torch.device) -> torch.Tensor:
+    """Token ids right-padded to the longest sample. No attention mask is needed: under causal
+    attention a real position never sees the padding after it, and without a mask the attention
+    kernels take their causal path (the same states as a masked forward)."""
+    ids = np.zeros((len(batch), len(batch[0].input_ids)), np.int64)
+    for row, sample in enumerate(batch):
+        ids[row, : len(sample.input_ids)] = sample.input_ids
+    return torch.from_numpy(ids).to(device)
+
+
+def forward_batch(model: Any, capture: Capture, batch: list[Sample], device: torch.device) -> tuple[Any, ...]:
+    """Runs the decoder (no lm_head) and starts the copies of the captured states to the host."""
+    with torch.inference_mode():
+        model.get_decoder()(input_ids=pad_batch(batch, device), use_cache=False)
+        aux, last = (state.to(torch.bfloat16) for state in capture.take())
+    if device.type != "cuda":
+        return aux, last, None
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (aux, last)]
+    for dst, src in zip(host, (aux, last)):
+        dst.copy_(src, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host[0], host[1], event
+
+
+def store_batch(writer: ShardWriter, batch: list[Sample], aux: torch.Tensor, last: torch.Tensor, event: Any) -> None:
+    if event is not None:
+        event.synchronize()
+    for row, sample in enumerate(batch):
+        n = len(sample.input_ids)
+        writer.put(sample.id, {"input_ids": sample.input_ids, "loss_mask": sample.loss_mask,
+                               "aux": aux[row, :n].view(torch.int16).numpy().view(np.uint16),
+                               "last": last[row, :n].view(torch.int16).numpy().view(np.uint16)})
+
+
+def load_model(record: dict, params: ExtractParams, device: torch.device) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    dtype = getattr(torch, record["dtype"])  # CPUs too: with AVX512-BF16 a bf16 forward is twice fp32's
+    kwargs = {"device_map": params.device_map} if params.device_map else {}
+    model = AutoModelForCausalLM.from_pretrained(record["model_path"], dtype=dtype, revision=record.get("revision"),
+                                                 **kwargs)
+    return (model if params.device_map else model.to(device)).eval()
+
+
+def distributed() -> tuple[int, int]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return (torch.distributed.get_rank(), world) if world > 1 else (0, 1)
+
+
+def pick_device(params: ExtractParams, rank: int) -> torch.device:
+    if params.device == "cpu" or (params.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
+def run_extraction(params: ExtractParams, record: dict, tokenizer: Any, responses: Path = RESPONSES,
+                   out: Path = HIDDEN_DIR, work_root: Path = WORK_DIR, answered: Path | None = None) -> dict[str, Any]:
+    if params.over_length not in OVER_LENGTH:
+        raise ExtractError(f"extract.over_length={params.over_length!r}: expected one of {', '.join(OVER_LENGTH)}")
+    rank, world = distributed()
+    aux_ids = resolve_aux_ids(params, record)
+    samples, counts = load_samples(responses, answered, tokenizer, record["vocab_size"], params)
+    if not samples:
+        raise ExtractError(f"{responses}: no sample to store ({counts['skipped']} skipped as longer than "
+                           f"extract.max_seq_len={params.max_seq_len})")
+    work = work_root / fingerprint(record, aux_ids, params, [responses] + ([answered] if answered else []))
+    by_id = {s.id: s for s in samples}
+    share = rank_todo([s.id for s in samples], set(), rank, world)
+    todo = [by_id[i] for i in rank_todo([s.id for s in samples], completed_sample_ids(work), rank, world)]
+    progress = Progress(f"extract rank {rank}" if world > 1 else "extract",
+                        total=sum(len(by_id[i].input_ids) for i in share), unit="tokens",
+                        done=sum(len(by_id[i].input_ids) for i in share) - sum(len(s.input_ids) for s in todo))
+    print(f"extract: rank {rank}/{world}: {len(share)} of {len(samples)} samples, {len(share) - len(todo)} already "
+          f"stored in {work}; aux layers {aux_ids}", file=sys.stderr)
+    device = pick_device(params, rank)
+    model = load_model(record, params, device) if todo else None
+    capture = Capture(model, aux_ids) if model else None
+    writer = ShardWriter(work, rank=rank, level=params.zstd_level, shard_bytes=int(params.shard_mb * (1 << 20)),
+                         threads=params.compress_threads)
+    start = time.monotonic()
+    with writer:
+        pending = None
+        for batch in length_batches(todo, params.max_tokens_per_batch):
+            launched = forward_batch(model, capture, batch, device)
+            if pending:  # the previous batch is stored while this one computes
+                store_batch(writer, pending[0], *pending[1:])
+                progress.update(sum(len(s.input_ids) for s in pending[0]),
+                                extra=f"stored/raw {writer.stats.stored_over_raw:.3f}")
+            pending = (batch, *launched)
+        if pending:
+            store_batch(writer, pending[0], *pending[1:])
+            progress.update(sum(len(s.input_ids) for s in pending[0]), force=True)
+    compute_s = time.monotonic() - start
+    new_tokens = torch.tensor([progress.done - progress.start_done], dtype=torch.int64)
+    if world > 1:
+        torch.distributed.all_reduce(new_tokens)
+        torch.distributed.barrier()
+    summary = {"new_tokens": int(new_tokens), "new_tokens_per_s": round(int(new_tokens) / max(compute_s, 1e-9), 1),
+               **counts, "aux_layer_ids": aux_ids}
+    if rank == 0:
+        totals = merge_index(work)
+        hidden = record["hidden_size"]
+        arrays = {"input_ids": ArraySpec("int32", ()), "loss_mask": ArraySpec("uint8", ()),
+                  "aux": ArraySpec("bfloat16", (len(aux_ids) * hidden,)), "last": ArraySpec("bfloat16", (hidden,))}
+        write_manifest(work, model_hash=record["weights_hash"], aux_layer_ids=aux_ids,
+                       layer_id_convention=LAYER_ID_CONVENTION, last_state="pre_norm", arrays=arrays,
+                       level=params.zstd_level, totals=totals,
+                       extra={"num_layers": record["num_layers"], "hidden_size": hidden, "max_seq_len": params.max_seq_len,
+                              **counts})
+        if out.exists():
+            shutil.rmtree(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(work, out)
+        summary |= {"samples": totals.samples, "tokens": totals.tokens, "loss_tokens": totals.loss_tokens,
+                    "raw_bytes": totals.raw_bytes, "stored_bytes": totals.stored_bytes, "shards": totals.shards,
+                    "bytes_per_token": round(totals.stored_bytes / max(totals.tokens, 1), 1),
+                    "stored_over_raw": round(totals.stored_over_raw, 4)}
+    return summary

@@ -1,0 +1,25 @@
+"""The extract stage's params and errors."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from eagle3.errors import PipelineError
+
+OVER_LENGTH = ("truncate", "skip")
+
+
+class ExtractError(PipelineError, ValueError):
+    pass
+
+
+@dataclass
+class ExtractParams:
+    aux_layer_ids: list[int] | None  # None: the target's default (2, N//2, N-3)
+    max_seq_len: int
+    over_length: str  # truncate | skip
+    max_tokens_per_batch: int  # padded tokens per forward
+    zstd_level: int
+    shard_mb: float
+    compress_threads: int
+    device: str  # auto | cpu | cuda
+    device_map: str | None  # "auto": spread a target larger than one GPU over all of them

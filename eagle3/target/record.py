@@ -1,0 +1,47 @@
+"""The target's record (artifacts/target/target.json): what every later stage knows of the target.
+
+Written by the target stage (eagle3/target/build.py): architecture, geometry, dtype, where the
+weights are and a hash of them, the default aux layer ids in vLLM's convention.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from eagle3.errors import PipelineError
+
+TARGET_DIR = Path("artifacts/target")
+RECORD = "target.json"
+
+
+class TargetError(PipelineError, ValueError):
+    pass
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """vLLM's default: low, middle and high layer (id X = output of decoder layer X-1)."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    # Multimodal wrappers (Kimi-K2.5) keep the language model's geometry under text_config.
+    return config.get("text_config") or config
+
+
+def sha256_files(files: list[Path]) -> str:
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.name.encode())
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 22):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def load_record(folder: Path = TARGET_DIR) -> dict[str, Any]:
+    path = folder / RECORD
+    if not path.is_file():
+        raise TargetError(f"{path}: missing; run the target stage first (dvc repro target)")
+    return json.loads(path.read_text())

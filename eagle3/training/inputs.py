@@ -1,0 +1,140 @@
+"""What a training run reads: the target's record and frozen tensors, the store, the vocabulary map,
+and the drafter it starts from (new, or a served one to fine-tune); and the run's fingerprint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+from transformers import PretrainedConfig
+
+from eagle3.model.checkpoint import load_drafter, vocab_map_defects
+from eagle3.model.drafter import Drafter, DrafterConfig
+from eagle3.store.layout import INDEX_NAME, LAST_STATES, MANIFEST_NAME
+from eagle3.store.reader import HiddenStore
+from eagle3.target.record import load_record
+from eagle3.training.params import OPERATIONAL, Paths, TrainError, TrainParams
+from eagle3.training.teacher import Teacher, load_teacher, target_config
+
+
+@dataclass
+class Inputs:
+    record: dict[str, Any]
+    store: HiddenStore
+    drafter: Drafter
+    d2t: Tensor
+    t2d: Tensor
+    teacher: Teacher
+    fingerprint: str
+
+
+def check_store(manifest: dict[str, Any], record: dict[str, Any], config: PretrainedConfig) -> tuple[list[int], bool]:
+    """(aux layer ids, whether `last` is pre-norm) of a store made from this target."""
+    if manifest.get("model_hash") != record["weights_hash"]:
+        raise TrainError(
+            f"the hidden-state store was extracted from {manifest.get('model_hash')}, the target is "
+            f"{record['weights_hash']}; rerun extract"
+        )
+    if manifest.get("last_state") not in LAST_STATES:
+        raise TrainError(f"store manifest: last_state {manifest.get('last_state')!r} is not one of {LAST_STATES}")
+    aux_ids = list(manifest["aux_layer_ids"])
+    ht = config.hidden_size
+    arrays = manifest["arrays"]
+    for name, shape in (("input_ids", []), ("loss_mask", []), ("aux", [len(aux_ids) * ht]), ("last", [ht])):
+        got = arrays.get(name, {}).get("per_token_shape")
+        if got != shape:
+            raise TrainError(
+                f"store array {name!r}: per-token shape {got}, expected {shape} "
+                f"({len(aux_ids)} aux layers x target hidden size {ht})"
+            )
+    for name in ("aux", "last"):
+        if arrays[name].get("dtype") != "bfloat16":
+            raise TrainError(f"store array {name!r} is {arrays[name].get('dtype')}; the trainer reads bfloat16 "
+                             "states (what extract writes)")
+    return aux_ids, manifest["last_state"] == "pre_norm"
+
+
+def build_drafter(
+    params: TrainParams, config: PretrainedConfig, aux_ids: list[int], vocab_dir: Path
+) -> tuple[Drafter, Tensor, Tensor]:
+    """(drafter, d2t, t2d): fine-tuned from init_from with its own vocab map, or new."""
+    if params.init_from:
+        loaded = load_drafter(
+            params.init_from,
+            target_hidden_size=config.hidden_size,
+            target_vocab_size=config.vocab_size,
+            aux_layer_ids=aux_ids,
+        )
+        model = loaded.model
+        for name in ("hidden_size", "intermediate_size"):
+            wanted = getattr(params, name)
+            if wanted is not None and wanted != getattr(model.config, name):
+                raise TrainError(
+                    f"train.{name}={wanted}, but init_from {params.init_from} has {name} "
+                    f"{getattr(model.config, name)}"
+                )
+        return model, loaded.d2t, loaded.t2d
+    d2t = torch.from_numpy(np.load(vocab_dir / "d2t.npy", allow_pickle=False))
+    t2d = torch.from_numpy(np.load(vocab_dir / "t2d.npy", allow_pickle=False))
+    defects = vocab_map_defects(d2t, t2d, len(d2t), config.vocab_size)
+    if defects:
+        raise TrainError(f"{vocab_dir}: " + "; ".join(defects))
+    drafter_config = DrafterConfig.from_target(
+        config,
+        draft_vocab_size=len(d2t),
+        aux_layer_ids=aux_ids,
+        hidden_size=params.hidden_size,
+        intermediate_size=params.intermediate_size,
+    )
+    torch.manual_seed(params.seed)
+    return Drafter(drafter_config), d2t, t2d
+
+
+def init_head_from_target(drafter: Drafter, teacher: Teacher) -> None:
+    if drafter.config.hidden_size != drafter.config.target_hidden_size:
+        raise TrainError(f"train.head_init=target needs the target's width {drafter.config.target_hidden_size}, "
+                         f"the drafter has hidden_size {drafter.config.hidden_size}; use head_init: random")
+    with torch.no_grad():
+        drafter.lm_head.weight.copy_(teacher.head)
+        if teacher.norm is not None:
+            drafter.norm.weight.copy_(teacher.norm.weight)
+
+
+def fingerprint(params: TrainParams, record: dict[str, Any], store: HiddenStore, drafter: Drafter, d2t: Tensor,
+                t2d: Tensor) -> str:
+    """What the trained weights depend on: params, target, store (its index checksums every
+    sample), initial weights (seed or init_from) and vocab map."""
+    digest = hashlib.sha256()
+    knobs = {k: v for k, v in dataclasses.asdict(params).items() if k not in OPERATIONAL}
+    digest.update(json.dumps([knobs, record["weights_hash"], store.manifest], sort_keys=True).encode())
+    digest.update((store.root / INDEX_NAME).read_bytes())
+    for name, tensor in sorted(drafter.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy())
+    digest.update(d2t.numpy().tobytes() + t2d.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def load_inputs(params: TrainParams, paths: Paths) -> Inputs:
+    record = load_record(paths.target)
+    config = target_config(paths.target)
+    if not (paths.hidden / MANIFEST_NAME).is_file():
+        raise TrainError(f"{paths.hidden}: no hidden-state store; run the extract stage first")
+    store = HiddenStore(paths.hidden)
+    aux_ids, pre_norm = check_store(store.manifest, record, config)
+    try:
+        drafter, d2t, t2d = build_drafter(params, config, aux_ids, paths.vocab)
+    except ValueError as err:  # CheckpointError, DrafterConfig's checks: all name what is wrong
+        raise TrainError(str(err)) from err
+    teacher = load_teacher(record, config, d2t, pre_norm)
+    if params.head_init == "target" and not params.init_from:
+        init_head_from_target(drafter, teacher)
+    return Inputs(record, store, drafter, d2t, t2d, teacher, fingerprint(params, record, store, drafter, d2t, t2d))

@@ -1,0 +1,101 @@
+"""The train stage's params, its files, and the checks of both before anything is loaded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from eagle3.errors import PipelineError
+from eagle3.metrics import METRICS_DIR
+from eagle3.model.checkpoint import WEIGHT_DTYPES
+
+HEAD_INITS = ("target", "random")
+# Params that change how a run is watched or saved, not the weights it produces: changing them
+# does not stop a resume.
+OPERATIONAL = ("log_every", "checkpoint_every", "eval_every", "num_workers", "compile", "save_dtype", "fsdp")
+
+
+class TrainError(PipelineError, ValueError):
+    pass
+
+
+@dataclass
+class TrainParams:
+    init_from: str | None  # servable drafter directory to fine-tune (its d2t/t2d are kept)
+    hidden_size: int | None  # drafter width; None: the target's (then it shares its embeddings)
+    intermediate_size: int | None  # None: the target's
+    # "target": a new drafter's lm_head and final norm start as the target's (its lm_head rows of the
+    # draft vocabulary), so the drafter only has to learn which state to hand them; "random": nn.Linear init.
+    head_init: str
+    ttt_steps: int
+    step_decay: float  # TTT step k weighs step_decay**k
+    prompt_loss_weight: float  # weight of rows whose predicted token is not generated
+    epochs: int
+    max_seq_len: int  # longer samples are cut
+    max_tokens_per_batch: int  # padded tokens of one forward (rows x longest)
+    batches_per_step: int  # batches per optimizer step over all ranks; a multiple of the world size
+    length_group: int  # shuffled samples sorted by length together before batching
+    lr: float
+    min_lr_ratio: float  # cosine decay ends at lr * min_lr_ratio
+    warmup_steps: int
+    weight_decay: float  # on matrices only
+    dropout: float  # on the drafter layer's attention and MLP outputs while training
+    beta1: float
+    beta2: float
+    adam_eps: float
+    grad_clip: float  # max global grad norm
+    eval_fraction: float  # held-out share of samples, picked by a hash of the sample id
+    eval_every: int  # steps between held-out evaluations; 0: only at the end
+    log_every: int
+    checkpoint_every: int
+    seed: int
+    num_workers: int  # store-reading threads per rank
+    compile: bool  # torch.compile the drafter
+    cpu_bf16: bool  # bf16 autocast on CPU too (GPUs always use it): 1.3x with AVX512-BF16, slower without
+    fsdp: bool  # several processes: shard weights, gradients and AdamW state instead of replicating them
+    ce_chunk_size: int
+    save_dtype: str  # float32 | bfloat16 | float16 | target (the target's dtype)
+
+
+@dataclass(frozen=True)
+class Paths:
+    hidden: Path = Path("artifacts/hidden")
+    vocab: Path = Path("artifacts/vocab")
+    target: Path = Path("artifacts/target")
+    out: Path = Path("artifacts/drafter")
+    run: Path = Path("run/train")
+    curve: Path = METRICS_DIR / "train_curve.csv"
+    heldout_curve: Path = METRICS_DIR / "train_heldout_curve.csv"
+
+
+def check_params(params: TrainParams, world: int) -> None:
+    problems = []
+    if params.ttt_steps < 1:
+        problems.append(f"ttt_steps={params.ttt_steps} must be >= 1")
+    if params.max_seq_len < 2:
+        problems.append(f"max_seq_len={params.max_seq_len} must be >= 2 (one anchor needs two tokens)")
+    if params.max_seq_len > params.max_tokens_per_batch:
+        problems.append(
+            f"max_seq_len={params.max_seq_len} exceeds max_tokens_per_batch={params.max_tokens_per_batch}: "
+            "a long sample would fit no batch"
+        )
+    if params.batches_per_step < 1 or params.batches_per_step % world:
+        problems.append(
+            f"batches_per_step={params.batches_per_step} is not a positive multiple of the world size {world} "
+            "(every rank takes an equal share of a step's batches)"
+        )
+    if not 0 <= params.eval_fraction < 1:
+        problems.append(f"eval_fraction={params.eval_fraction} must be in [0, 1)")
+    if not 0 <= params.dropout < 1:
+        problems.append(f"dropout={params.dropout} must be in [0, 1)")
+    if params.step_decay <= 0 or params.prompt_loss_weight < 0:
+        problems.append("step_decay must be > 0 and prompt_loss_weight >= 0")
+    for name in ("epochs", "log_every", "checkpoint_every", "length_group", "ce_chunk_size"):
+        if getattr(params, name) < 1:
+            problems.append(f"{name}={getattr(params, name)} must be >= 1")
+    if params.head_init not in HEAD_INITS:
+        problems.append(f"head_init={params.head_init!r} is not one of {list(HEAD_INITS)}")
+    if params.save_dtype not in (*WEIGHT_DTYPES, "target"):
+        problems.append(f"save_dtype={params.save_dtype!r} is not one of {[*WEIGHT_DTYPES, 'target']}")
+    if problems:
+        raise TrainError("; ".join(f"train.{p}" for p in problems))
