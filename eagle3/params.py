@@ -76,10 +76,13 @@ def _type_name(hint: Any) -> str:
 
 
 def _matches(value: Any, hint: Any) -> bool:
-    """Whether a YAML value fits a dataclass annotation (str, int, float, bool, list[X], X | None)."""
+    """Whether a YAML value fits a dataclass annotation (str, int, float, bool, list[X], dict[K, V], X | None)."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         return any(_matches(value, arg) for arg in typing.get_args(hint))
+    if origin is dict:
+        key, item = typing.get_args(hint)
+        return isinstance(value, dict) and all(_matches(k, key) and _matches(v, item) for k, v in value.items())
     if origin is list:
         (item,) = typing.get_args(hint)
         return isinstance(value, list) and all(_matches(v, item) for v in value)

@@ -68,9 +68,41 @@ def acceptance(evaluate: dict[str, Any] | None) -> str:
     if evaluate is None:
         return "acceptance: not measured yet (stage evaluate has not run)"
     k = evaluate.get("num_draft_tokens")
-    parts = [f"{name} {evaluate[key]:.2f}" for name, key in
-             (("vLLM", "vllm_acceptance_length"), ("offline", "offline_acceptance_length")) if evaluate.get(key) is not None]
-    return f"acceptance length (tokens per target forward, k={k}): {', '.join(parts) or 'n/a'}"
+    readings = (("vLLM", "vllm_acceptance_length"), ("offline", "offline_acceptance_length"))
+    parts = [f"{name} {evaluate[key]:.2f}" for name, key in readings if evaluate.get(key) is not None]
+    return f"acceptance length (tokens per target forward, k={k}, T=0, mean over sets): {', '.join(parts) or 'n/a'}"
+
+
+def evaluation_sections(evaluate: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    return [(key.removeprefix("temperature_").replace("_", "."), value) for key, value in evaluate.items()
+            if key.startswith("temperature_") and isinstance(value, dict)]
+
+
+def acceptance_table(evaluate: dict[str, Any] | None) -> list[str]:
+    """Acceptance length per set, category and temperature, offline and in vLLM."""
+    if evaluate is None:
+        return []
+    lines = ["## Acceptance", "", "| T | set | category | questions | offline | vLLM |", "|---|---|---|---|---|---|"]
+    for t, result in evaluation_sections(evaluate):
+        offline, vllm = result.get("offline") or {}, result.get("vllm") or {}
+        flag = "" if result.get("vllm_reliable", True) else " (unreliable)"
+        lines.append(f"| {t} | **mean over sets** | | | {offline.get('acceptance_length', '')} | "
+                     f"{vllm.get('acceptance_length', '')}{flag} |")
+        for name, figures in (vllm or offline).get("sets", {}).items():
+            off = offline.get("sets", {}).get(name, {})
+            lines.append(f"| {t} | {name} | all | {figures['questions']} | {off.get('acceptance_length', '')} | "
+                         f"{vllm.get('sets', {}).get(name, {}).get('acceptance_length', '')} |")
+            for category, value in figures["per_category"].items():
+                lines.append(f"| {t} | {name} | {category} | | {off.get('per_category', {}).get(category, '')} | "
+                             f"{vllm.get('sets', {}).get(name, {}).get('per_category', {}).get(category, '')} |")
+    long = evaluate.get("long_answers")
+    if long:
+        offline = long.get("offline") or {}
+        heads = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in offline.items() if k.endswith("_tokens"))
+        lines += ["", f"Long answers (T=0, up to {long['max_new_tokens']} tokens, {long['questions']} questions): "
+                      f"offline {offline.get('acceptance_length')} ({heads}), vLLM "
+                      f"{(long.get('vllm') or {}).get('acceptance_length')}."]
+    return lines + [""]
 
 
 def summary_lines(run: RunMetrics, report_dir: Path = REPORT_DIR) -> list[str]:
@@ -78,7 +110,8 @@ def summary_lines(run: RunMetrics, report_dir: Path = REPORT_DIR) -> list[str]:
     lines = [f"  {name:<9} {duration(m['wall_s']):>10}  {m['items']} items, {m['tokens']} tokens"
              + (f", {m['tokens_per_s']} tok/s" if m.get("tokens") else "") for name, m in run.ran()]
     missing = [name for name, m in run.stages.items() if m is None]
-    lines.append(f"  {'total':<9} {duration(run.total_s):>10}" + (f"  (not run yet: {', '.join(missing)})" if missing else ""))
+    not_run = f"  (not run yet: {', '.join(missing)})" if missing else ""
+    lines.append(f"  {'total':<9} {duration(run.total_s):>10}{not_run}")
     lines.append(f"  {acceptance(run.stages['evaluate'])}")
     drafter = DRAFTER_DIR if run.stages["train"] is not None else "not trained yet"
     lines.append(f"  drafter checkpoint: {drafter}; report: {report_dir / 'README.md'}; metrics: {METRICS_DIR}/")
@@ -108,11 +141,14 @@ def stage_table(run: RunMetrics) -> list[str]:
 def details(name: str, m: dict[str, Any]) -> list[str]:
     """A stage's own figures (everything beyond the shared core keys), one line each."""
     core = {"stage", "wall_s", "items", "tokens", "items_per_s", "tokens_per_s", "machine"}
-    return [f"### {name}", ""] + [f"- `{k}`: {json.dumps(v)}" for k, v in sorted(m.items()) if k not in core] + [""]
+    tabled = {key for key in m if key.startswith("temperature_") or key == "long_answers"}  # in the Acceptance table
+    return [f"### {name}", ""] + [f"- `{k}`: {json.dumps(v)}" for k, v in sorted(m.items())
+                                  if k not in core | tabled] + [""]
 
 
 def markdown(run: RunMetrics, plots: list[str]) -> str:
     lines = ["# Build report", "", "```", *summary_lines(run), "```", "", "## Stages", "", *stage_table(run), ""]
+    lines += acceptance_table(run.stages["evaluate"])
     lines += [f"![{Path(p).stem}]({p})" for p in plots] + [""]
     lines += ["## Per-stage figures", ""]
     for name, m in run.ran():
@@ -166,10 +202,32 @@ def plot_acceptance(evaluate: dict[str, Any] | None, path: Path) -> bool:
     for i, (name, values) in enumerate(series.items()):
         ax.bar([p + i * width for p in range(len(values))], values, width, label=name)
     ax.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1),
-           title=f"acceptance per position (T={evaluate.get('temperature')})")
+           title="acceptance per position (T=0, all sets)")
     ax.set_xticks([p + width * (len(series) - 1) / 2 for p in range(len(next(iter(series.values()))))],
                   [str(p) for p in range(len(next(iter(series.values()))))])
     ax.legend()
+    return save(fig, path)
+
+
+def plot_categories(evaluate: dict[str, Any] | None, path: Path) -> bool:
+    """Acceptance length per set and category at T=0, offline and in vLLM."""
+    greedy = dict(evaluation_sections(evaluate or {})).get("0") or {}
+    series = {name: greedy.get(key) for name, key in (("offline", "offline"), ("vLLM", "vllm")) if greedy.get(key)}
+    if not series:
+        return False
+    labels = [f"{name}/{category}" for name, figures in next(iter(series.values()))["sets"].items()
+              for category in figures["per_category"]]
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 0.6 + 0.3 * len(labels)))
+    height = 0.8 / len(series)
+    for i, (name, result) in enumerate(series.items()):
+        values = [result["sets"].get(label.split("/")[0], {}).get("per_category", {}).get(label.split("/", 1)[1], 0)
+                  for label in labels]
+        ax.barh([y + i * height for y in range(len(labels))], values, height, label=name)
+    ax.set_yticks([y + height * (len(series) - 1) / 2 for y in range(len(labels))], labels, fontsize="small")
+    ax.invert_yaxis()
+    ax.set(xlabel="acceptance length", xlim=(1, None), title="acceptance length per set and category (T=0)")
+    ax.legend(fontsize="small")
     return save(fig, path)
 
 
@@ -202,6 +260,7 @@ def write_report(run: RunMetrics, out: Path = REPORT_DIR) -> None:
         plots = [name for name, made in (
             ("training.png", plot_training(run.curve, tmp / "training.png")),
             ("acceptance.png", plot_acceptance(run.stages["evaluate"], tmp / "acceptance.png")),
+            ("categories.png", plot_categories(run.stages["evaluate"], tmp / "categories.png")),
             ("stage_times.png", plot_stage_times(run, tmp / "stage_times.png")),
         ) if made]
         (tmp / "README.md").write_text(markdown(run, plots), encoding="utf-8")

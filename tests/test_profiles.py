@@ -18,9 +18,26 @@ def test_every_shipped_profile_is_complete_and_typed():
     assert profile.check_all(REPO / "params.yaml", REPO / "profiles") == []
 
 
+def test_real_profiles_answer_long_and_keep_an_agreement_check():
+    for name in ("llama-3.1-8b", "kimi-k2.5"):
+        evaluate = read_params(REPO / f"profiles/{name}.yaml")["evaluate"]
+        assert evaluate["max_new_tokens"] >= 1024 and evaluate["long_max_new_tokens"] > evaluate["max_new_tokens"]
+        assert evaluate["offline"] and evaluate["online"] and 0.0 in evaluate["temperatures"]
+        assert any(t > 0 for t in evaluate["temperatures"]) and evaluate["offline_sampling_questions"] >= 1
+
+
+def test_a_profile_without_an_agreement_check_is_refused(workspace):
+    params_file, profiles_dir = workspace
+    path = profiles_dir / "kimi-k2.5.yaml"
+    path.write_text(path.read_text().replace("  offline: true ", "  offline: false "))
+    (problem,) = profile.check_all(params_file, profiles_dir)
+    assert str(path) in problem and "evaluate.offline: false" in problem and "agreement check" in problem
+
+
 def test_every_params_section_has_a_schema():
     for section in read_params(REPO / "params.yaml"):
-        assert section in SECTIONS, f"params.yaml section '{section}': add its dataclass to SECTIONS in eagle3/params.py"
+        assert section in SECTIONS, (f"params.yaml section '{section}': add its dataclass to SECTIONS in "
+                                     "eagle3/params.py")
         section_class(section)  # the module imports and names the class
 
 
@@ -52,7 +69,8 @@ def broken(tmp_path) -> tuple[Path, dict]:
 @pytest.mark.parametrize("edit, message", [
     (lambda p: p["train"].update(epoch=3), r"profile\.yaml: train\.epoch: unknown key"),
     (lambda p: p["train"].pop("lr"), r"profile\.yaml: train\.lr: missing key"),
-    (lambda p: p["serve"].pop("extra_args"), r"serve\.extra_args: missing key \(expected a value of type list\[str\]: every key is required"),
+    (lambda p: p["serve"].pop("extra_args"),
+     r"serve\.extra_args: missing key \(expected a value of type list\[str\]: every key is required"),
     (lambda p: p["train"].update(lr="1e-4"), r"train\.lr: '1e-4' is not of type float"),
     (lambda p: p["train"].update(compile="yes"), r"train\.compile: 'yes' is not of type bool"),
     (lambda p: p["prompts"].update(num_samples=True), r"prompts\.num_samples: True is not of type int"),
@@ -102,5 +120,6 @@ def test_use_refuses_to_lose_edits_no_profile_holds(workspace):
 
 def test_use_names_the_profiles_there_are(workspace):
     params, profiles = workspace
-    with pytest.raises(ParamsError, match=r"llama\.yaml: no such profile \(have: embedded, embedded-large, kimi-k2\.5, llama-3\.1-8b\)"):
+    have = r"\(have: embedded, embedded-large, kimi-k2\.5, llama-3\.1-8b\)"
+    with pytest.raises(ParamsError, match=r"llama\.yaml: no such profile " + have):
         profile.use("llama", params_file=params, profiles_dir=profiles)

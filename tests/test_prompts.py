@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -21,6 +22,8 @@ from eagle3.data.sources import (
 from eagle3.target.chat import render
 from tests.conftest import shipped
 
+MTBENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+
 
 def run(embedded_target, tmp_path, **overrides):
     params = shipped("prompts", PromptsParams, **{"num_samples": 30, "max_prompt_tokens": 1024, "dataset_answers": 0,
@@ -38,9 +41,13 @@ def test_embedded_prompts_and_mtbench(embedded_target, tmp_path):
         messages = json.loads(row["messages"])
         assert messages[-1]["role"] == "user" and messages[-1]["content"].strip()
         assert 0 < row["num_prompt_tokens"] <= 1024
-    assert len(evaluation) == 80
-    assert all(len(q["turns"]) == 2 for q in evaluation)  # MT-bench: both turns kept
-    assert {"writing", "coding", "math", "reasoning"} <= {q["category"] for q in evaluation}
+    by_set = {name: [q for q in evaluation if q["set"] == name] for name in ("mtbench", "humaneval", "math500")}
+    assert [len(v) for v in by_set.values()] == [80, 164, 311] and stats["eval"] == len(evaluation) == 555
+    assert all(len(q["turns"]) == 2 for q in by_set["mtbench"])  # MT-bench: both turns kept
+    assert Counter(q["category"] for q in by_set["mtbench"]) == {c: 10 for c in MTBENCH_CATEGORIES}
+    assert by_set["humaneval"][0]["question_id"] == "HumanEval/0" and "def has_close_elements" in by_set[
+        "humaneval"][0]["turns"][0] and by_set["humaneval"][0]["category"] == "code"
+    assert {q["category"] for q in by_set["math500"]} == {"math"} and by_set["math500"][0]["turns"][0].strip()
     assert json.loads((tmp_path / "prompts" / "stats.json").read_text())["kept"] == 30
 
 
@@ -171,7 +178,7 @@ def test_hf_datasets_path_on_shipped_data(tmp_path):
     rows = list(iter_hf("json", "train", data_files=str(local)))
     assert len(rows) == 50 and rows[3][0] == "json[train] row 3"
     log = DropLog()
-    usable = usable_rows(iter(rows), "first_user", True, log)
+    usable = usable_rows(iter(rows), "first_user", True, log, held_out=set())
     assert len(usable) + sum(log.counts.values()) == 50
     assert usable and usable[0][1][-1]["role"] == "user"
 
@@ -189,3 +196,42 @@ def test_normalize_sharegpt_roles():
     assert normalize_messages({"conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "u"},
                                                  {"from": "gpt", "value": "a"}]}) == [
         {"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+
+
+def test_evaluation_questions_are_held_out_of_training_by_id_and_text(embedded_target, tmp_path):
+    """A ShareGPT conversation that asks an evaluation question (whitespace aside) is dropped as
+    eval_overlap; no training prompt or dataset-answered conversation shares an eval id or turn."""
+    from eagle3.data.eval_sets import mtbench_rows
+
+    first = next(obj for _, obj in mtbench_rows())["turns"][0]
+    source = tmp_path / "source.jsonl"
+    rows = [{"conversations": [{"from": "human", "value": f"Tell me about topic {i}."},
+                               {"from": "gpt", "value": f"Topic {i} is interesting."}]} for i in range(12)]
+    rows.insert(3, {"conversations": [{"from": "human", "value": "  " + first.replace(" ", "  ") + "\n"},
+                                      {"from": "gpt", "value": "A travel blog post."}]})
+    source.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    stats, train, evaluation = run(embedded_target, tmp_path, source=str(source), num_samples=6, dataset_answers=6)
+    answered = pq.read_table(tmp_path / "prompts" / "answered.parquet").to_pylist()
+    assert stats["dropped"]["eval_overlap"] == 1
+    eval_ids = {q["id"] for q in evaluation}
+    eval_texts = {" ".join(t.split()) for q in evaluation for t in q["turns"]}
+    for row in train + answered:
+        assert row["id"] not in eval_ids
+        turns = [m["content"] for m in json.loads(row["messages"])]
+        assert not {" ".join(t.split()) for t in turns} & eval_texts, row
+
+
+def test_a_local_eval_set_is_read_like_the_shipped_ones(tmp_path):
+    from eagle3.data.eval_sets import load_set
+
+    path = tmp_path / "support.jsonl"
+    path.write_text('{"turns": ["How do I reset my password?"], "category": "account"}\n'
+                    '{"prompt": "Where is my order?"}\n\n{"turns": []}\n')
+    log = DropLog()
+    rows = load_set(str(path), log)
+    assert [(r["set"], r["category"], r["turns"]) for r in rows] == [
+        ("support", "account", ["How do I reset my password?"]), ("support", "support", ["Where is my order?"])]
+    assert log.counts == {"eval_blank_line": 1, "eval_malformed": 1}
+    assert f"{path} line 4" in log.examples["eval_malformed"][0]
+    with pytest.raises(PromptsError, match=r"prompts.eval_sets: 'gsm8k' is neither a shipped set \(mtbench, "):
+        load_set("gsm8k", log)

@@ -22,9 +22,20 @@ def full_run(metrics: Path) -> None:
     write_stage(metrics, "target", 95.0, 1, 0)
     write_stage(metrics, "extract", 1460.0, 320, 169309, new_tokens=169309, stored_over_raw=0.687)
     write_stage(metrics, "train", 1300.0, 304, 162145, resumed_from_step=0)
-    write_stage(metrics, "evaluate", 600.0, 80, 20000, num_draft_tokens=3, temperature=0.0,
+    def figures(al: float, categories: dict[str, float]) -> dict:
+        return {"acceptance_length": al, "sets": {"mtbench": {"acceptance_length": al, "questions": 40,
+                                                              "per_category": categories}}}
+
+    write_stage(metrics, "evaluate", 600.0, 80, 20000, num_draft_tokens=3, temperatures=[0.0, 0.7],
                 offline_acceptance_length=1.42, vllm_acceptance_length=1.38,
-                offline_acceptance_per_position=[0.3, 0.1, 0.02], vllm_acceptance_per_position=[0.28, 0.08, 0.02])
+                offline_acceptance_per_position=[0.3, 0.1, 0.02], vllm_acceptance_per_position=[0.28, 0.08, 0.02],
+                temperature_0={"offline": figures(1.42, {"coding": 1.6, "writing": 1.3}),
+                               "vllm": figures(1.38, {"coding": 1.55, "writing": 1.25})},
+                temperature_0_7={"offline": figures(1.3, {"coding": 1.4, "writing": 1.2}),
+                                 "vllm": figures(1.01, {"coding": 1.0, "writing": 1.02}), "vllm_reliable": False},
+                long_answers={"max_new_tokens": 512, "questions": 8, "vllm": {"acceptance_length": 1.4},
+                              "offline": {"acceptance_length": 1.41, "first_128_tokens": 1.38,
+                                          "after_128_tokens": 1.43}})
     rows = [{"step": s, "epoch": s / 20, "lr": 1e-4, "grad_norm": 1.0, "tokens": 6000 * s, "loss": 20 - s / 10,
              "loss_0": 8 - s / 30, "loss_1": 8.1 - s / 30, "loss_2": 8.2 - s / 30,
              "top1_0": s / 100, "top1_1": s / 150, "top1_2": s / 200} for s in (10, 20, 27)]
@@ -59,10 +70,14 @@ def test_full_run_has_every_plot_and_the_acceptance(tmp_path):
     assert any("drafter checkpoint: artifacts/drafter" in line and "report/README.md" in line for line in lines)
     report.write_report(run, tmp_path / "report")
     names = sorted(p.name for p in (tmp_path / "report").iterdir())
-    assert names == ["README.md", "acceptance.png", "stage_times.png", "training.png"]
+    assert names == ["README.md", "acceptance.png", "categories.png", "stage_times.png", "training.png"]
     page = (tmp_path / "report" / "README.md").read_text()
-    for png in ("training.png", "acceptance.png", "stage_times.png"):
+    for png in ("training.png", "acceptance.png", "categories.png", "stage_times.png"):
         assert f"]({png})" in page
+    assert "| 0 | mtbench | coding | | 1.6 | 1.55 |" in page
+    assert "| 0.7 | **mean over sets** | | | 1.3 | 1.01 (unreliable) |" in page
+    assert "first 128 tokens 1.38, after 128 tokens 1.43" in page
+    assert "temperature_0" not in page  # the nested figures are in the table, not dumped
     assert "| extract | 24.3 min | 320 | 169,309 |" in page
 
 

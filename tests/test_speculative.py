@@ -184,10 +184,33 @@ def test_rejection_sampling_keeps_the_target_distribution():
     total_variation = 0.5 * sum(abs(seen[key] / runs - p) for key, p in exact.items())
     # With 144 outcomes and 3000 samples, sampling noise alone gives TV ~ 0.08; a wrong rule gives far more.
     assert total_variation < 0.12, total_variation
-    greedy_drafts_only = Counter(tuple(SpecDecoder(target, drafter, [1, 2, 3], k=2, temperature=1e-4,
-                                                   generator=torch.Generator().manual_seed(0)).generate(prompt, 2, set())[0])
-                                 for _ in range(3))
+    def near_greedy() -> SpecDecoder:
+        return SpecDecoder(target, drafter, [1, 2, 3], k=2, temperature=1e-4,
+                           generator=torch.Generator().manual_seed(0))
+    greedy_drafts_only = Counter(tuple(near_greedy().generate(prompt, 2, set())[0]) for _ in range(3))
     assert len(greedy_drafts_only) == 1  # near-zero temperature: deterministic
+
+
+def test_sampling_accepts_the_greedy_draft_with_the_targets_probability():
+    """The engine's drafting mode at T > 0: the draft is the drafter's argmax, accepted with p(draft).
+    So the first round's acceptance is sum_a p(a | prompt) * p(draft(a) | prompt + a), not 0 and not
+    the rate of a sampled draft."""
+    target = tiny_target()
+    drafter = random_drafter(target.config, [1, 2, 3], torch.arange(12), seed=3)
+    prompt, runs = [1, 5, 7], 4000
+    decoder = SpecDecoder(target, drafter, [1, 2, 3], k=1, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        p1 = torch.softmax(target(torch.tensor([prompt])).logits[0, -1], -1)
+        _, aux = decoder.target_forward(prompt, None)
+        expected = 0.0
+        for a in range(12):
+            (draft,), (q,), _ = decoder.draft(aux, prompt[1:] + [a], None)
+            assert q[draft] == 1 and q.sum() == 1  # one-hot: no draft probabilities, as in vLLM
+            p2 = torch.softmax(target(torch.tensor([prompt + [a]])).logits[0, -1], -1)
+            expected += float(p1[a] * p2[draft])
+    accepted = sum(decoder.generate(prompt, 2, eos_ids=set())[1].accepted_per_pos[0] for _ in range(runs))
+    assert 0.05 < expected < 0.95  # the check can tell a right rule from always/never accepting
+    assert abs(accepted / runs - expected) < 4 * (expected * (1 - expected) / runs) ** 0.5 + 0.005
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.atomic import atomic_write_bytes
-from eagle3.params import PARAMS_FILE, ParamsError, check_params_file, read_params
+from eagle3.evaluation.params import EvaluateParams, agreement_problem
+from eagle3.params import PARAMS_FILE, ParamsError, check_params_file, load_section, read_params
 
 PROFILES_DIR = Path("profiles")
 
@@ -56,6 +57,9 @@ def check_all(params_file: Path = PARAMS_FILE, profiles_dir: Path = PROFILES_DIR
             check_params_file(path, sections)
         except ParamsError as e:
             errors.append(str(e))
+            continue
+        problem = agreement_problem(load_section("evaluate", EvaluateParams, path), str(path))
+        errors += [problem] if problem else []
     return errors
 
 

