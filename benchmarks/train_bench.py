@@ -180,9 +180,12 @@ class OurParts:
     batch: Batch
 
 
-def our_parts(g: Geometry, data: Data, device: torch.device, compiled: bool) -> OurParts:
-    """The train stage's pieces: DraftLoss (TTT attention kernel, chunked soft-CE) and one batch."""
-    config = DrafterConfig.from_target(g.llama_config(), draft_vocab_size=g.draft_vocab, aux_layer_ids=AUX_IDS)
+def our_parts(g: Geometry, data: Data, device: torch.device, compiled: bool,
+              config: DrafterConfig | None = None) -> OurParts:
+    """The train stage's pieces: DraftLoss (TTT attention kernel, chunked soft-CE) and one batch.
+    config: the drafter (default: the Llama drafter of this geometry)."""
+    if config is None:
+        config = DrafterConfig.from_target(g.llama_config(), draft_vocab_size=g.draft_vocab, aux_layer_ids=AUX_IDS)
     drafter = Drafter(config).to(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     norm = RMSNorm(g.hidden, 1e-5).requires_grad_(False)
@@ -202,9 +205,10 @@ def gpu_params(**overrides: Any) -> TrainParams:
     return dataclasses.replace(load_section("train", TrainParams, REPO / "profiles/llama-3.1-8b.yaml"), **overrides)
 
 
-def ours(g: Geometry, data: Data, device: torch.device, compiled: bool) -> Callable[[], None]:
+def ours(g: Geometry, data: Data, device: torch.device, compiled: bool,
+         config: DrafterConfig | None = None) -> Callable[[], None]:
     """The train stage's step, one process: DraftLoss + AdamW."""
-    parts = our_parts(g, data, device, compiled)
+    parts = our_parts(g, data, device, compiled, config)
     weights = parts.batch.step_weights(g.ttt_steps)
     scale = torch.tensor([DECAY**k for k in range(g.ttt_steps)], device=device) / weights
     params = list(parts.loss.drafter.parameters())

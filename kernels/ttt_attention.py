@@ -15,6 +15,9 @@ causal triangle followed by k diagonals: almost all of it is empty.
 - CPU (flex_attention has no backward there): the causal scores of step 0 and the k diagonal
   scores q_t . k_j[t], softmaxed together in fp32; O(T^2 + T*k) memory, not O(T^2 * K).
 
+Values may be narrower or wider than keys (MLA: keys nope + rope = 192, values 128 at DeepSeek-V3
+sizes); every path takes them as they are (flex_attention only needs q and k to match), no padding.
+
 `ttt_attention_reference` applies the dense mask over the concatenated keys; tests compare.
 """
 
@@ -29,10 +32,10 @@ def ttt_attention(q: Tensor, keys: list[Tensor], values: list[Tensor], scale: fl
                   prefix: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Attention of step k = len(keys) - 1 queries over the TTT key set.
 
-    q: [B, Hq, T, D]; keys[j], values[j]: [B, Hkv, T, D] (step j, rotary applied); Hq % Hkv == 0.
-    prefix: step-0 (keys, values) [B, Hkv, P, D] of P earlier positions every query sees: an
-    incremental decoder's cache (inference only, so it takes the dense path on any device).
-    Returns [B, Hq, T, D] in q's dtype.
+    q: [B, Hq, T, D]; keys[j]: [B, Hkv, T, D], values[j]: [B, Hkv, T, Dv] (step j, rotary applied);
+    Hq % Hkv == 0. prefix: step-0 (keys, values) [B, Hkv, P, D / Dv] of P earlier positions every
+    query sees: an incremental decoder's cache (inference only, so it takes the dense path on any
+    device). Returns [B, Hq, T, Dv] in q's dtype.
     """
     _check_shapes(q, keys, values)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -66,12 +69,15 @@ def _check_shapes(q: Tensor, keys: list[Tensor], values: list[Tensor]) -> None:
     if not keys or len(keys) != len(values):
         raise ValueError(f"need one value per key and at least one step, got {len(keys)} keys, {len(values)} values")
     b, hq, t, d = q.shape
-    hkv = keys[0].shape[1]
+    hkv, dv = keys[0].shape[1], values[0].shape[-1]
     if hq % hkv:
         raise ValueError(f"query heads {hq} not a multiple of key/value heads {hkv}")
-    for tensor in (*keys, *values):
+    for tensor in keys:
         if tensor.shape != (b, hkv, t, d):
-            raise ValueError(f"key/value shape {tuple(tensor.shape)} != {(b, hkv, t, d)}")
+            raise ValueError(f"key shape {tuple(tensor.shape)} != {(b, hkv, t, d)}")
+    for tensor in values:
+        if tensor.shape != (b, hkv, t, dv):
+            raise ValueError(f"value shape {tuple(tensor.shape)} != {(b, hkv, t, dv)}")
 
 
 def _ttt_dense(q: Tensor, keys: list[Tensor], values: list[Tensor], scale: float,

@@ -31,11 +31,11 @@ def _grads(out, inputs, upstream):
 # ---------------------------------------------------------------- TTT attention
 
 
-def _ttt_inputs(b, hq, hkv, t, d, steps, dtype, device, seed=0):
+def _ttt_inputs(b, hq, hkv, t, d, steps, dtype, device, seed=0, dv=None):
     g = torch.Generator().manual_seed(seed)
     q = _leaf((b, hq, t, d), dtype, device, g)
     keys = [_leaf((b, hkv, t, d), dtype, device, g) for _ in range(steps)]
-    values = [_leaf((b, hkv, t, d), dtype, device, g) for _ in range(steps)]
+    values = [_leaf((b, hkv, t, dv or d), dtype, device, g) for _ in range(steps)]
     return q, keys, values
 
 
@@ -87,6 +87,26 @@ def _check_ttt_against_reference(device, dtype, steps):
             _grads(ref, inputs, upstream),
         ):
             torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=grad_tol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ttt_attention_values_of_another_width_match_reference(device, dtype):
+    """MLA: keys nope + rope wide (DeepSeek-V3: 192), values v_head_dim (128); on CUDA the flex kernel
+    takes the narrower values as they are."""
+    fwd_tol, grad_tol = TOLERANCE[dtype]
+    cases = [(2, 8, 8, 300, 192, 128), (1, 4, 4, 37, 48, 32)] if device == "cuda" else [(2, 4, 4, 37, 24, 16)]
+    with torch._dynamo.config.patch(recompile_limit=64):
+        for b, hq, hkv, t, d, dv in cases:
+            for steps in (1, 3):
+                q, keys, values = _ttt_inputs(b, hq, hkv, t, d, steps, dtype, device, seed=steps, dv=dv)
+                upstream = torch.randn(b, hq, t, dv, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+                out, ref = ttt_attention(q, keys, values), ttt_attention_reference(q, keys, values)
+                assert out.shape == (b, hq, t, dv)
+                torch.testing.assert_close(out.float(), ref.float(), rtol=0, atol=fwd_tol)
+                inputs = [q, *keys, *values]
+                for got, want in zip(_grads(out, inputs, upstream), _grads(ref, inputs, upstream)):
+                    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=grad_tol)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled flex path is CUDA-only")

@@ -278,13 +278,15 @@ def reference_losses(drafter: Drafter, teacher: Teacher, sample: dict, steps: in
     return losses
 
 
-def test_objective_matches_hand_indexed_reference_and_ignores_padding(workspace):
+@pytest.mark.parametrize("kind", ["llama", "deepseek_mla"])
+def test_objective_matches_hand_indexed_reference_and_ignores_padding(workspace, kind):
     config = target_config(workspace / "artifacts" / "target")
     record = json.loads((workspace / "artifacts" / "target" / "target.json").read_text())
     d2t = torch.from_numpy(np.load(workspace / "artifacts" / "vocab" / "d2t.npy"))
     teacher = load_teacher(record, config, d2t, pre_norm=True)
     torch.manual_seed(1)
-    drafter = Drafter(DrafterConfig.from_target(config, draft_vocab_size=DRAFT_VOCAB, aux_layer_ids=AUX_IDS))
+    drafter = Drafter(DrafterConfig.from_target(config, draft_vocab_size=DRAFT_VOCAB, aux_layer_ids=AUX_IDS,
+                                                drafter=kind))
     rng = torch.Generator().manual_seed(2)
     samples = []
     for n in (9, 6):
@@ -338,6 +340,22 @@ def test_run_learns_reports_per_step_metrics_and_writes_a_valid_drafter(trained)
     assert config["tie_word_embeddings"] is False and config["draft_vocab_size"] == DRAFT_VOCAB
     saved = weights(paths.out)
     assert torch.equal(saved["d2t"], torch.from_numpy(np.load(paths.vocab / "d2t.npy")))
+
+
+def test_mla_drafter_run_learns_and_writes_a_valid_mla_drafter(trained, workspace, tmp_path, monkeypatch):
+    """train.drafter: deepseek_mla through the whole stage: it learns as the Llama drafter does and
+    exports the checkpoint vLLM's Eagle3DeepseekV2ForCausalLM loads."""
+    monkeypatch.chdir(tmp_path)
+    paths = paths_for(workspace, tmp_path)
+    record = train(small_params(drafter="deepseek_mla"), paths)
+    assert validate(paths.out, LAYERS, HIDDEN, VOCAB) == []
+    config = json.loads((paths.out / "config.json").read_text())
+    assert config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and config["kv_lora_rank"] == 512
+    assert "midlayer.self_attn.kv_b_proj.weight" in weights(paths.out)
+    llama_top1 = trained[1]["final"]["train"]["top1"][0]
+    assert record["final"]["train"]["top1"][0] > 0.15 and record["final"]["train"]["top1"][0] > 0.5 * llama_top1
+    with pytest.raises(TrainError, match="is a deepseek_mla drafter"):
+        train(small_params(init_from=str(paths.out), epochs=1), paths_for(workspace, tmp_path / "again"))
 
 
 def test_cpu_bf16_runs_the_drafter_in_bf16_and_learns_as_fp32_does(trained, workspace, tmp_path, monkeypatch):
@@ -513,6 +531,8 @@ def test_params_that_cannot_work_are_refused_by_name():
         check_params(small_params(max_seq_len=200), world=1)
     with pytest.raises(TrainError, match=r"train.dropout=1.0 must be in \[0, 1\)"):
         check_params(small_params(dropout=1.0), world=1)
+    with pytest.raises(TrainError, match=r"train.drafter='mla' is not one of \['llama', 'deepseek_mla'\]"):
+        check_params(small_params(drafter="mla"), world=1)
 
 
 def test_samples_without_generated_tokens_train_only_at_a_positive_prompt_weight(capsys):

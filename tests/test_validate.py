@@ -7,20 +7,25 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3.model.checkpoint import read_checkpoint, save_drafter, validate
-from eagle3.model.drafter import Drafter, DrafterConfig
+from eagle3.model.drafter import Drafter, DrafterConfig, MLAConfig
 from tools.validate import main
 
 TARGET_LAYERS, HIDDEN, VOCAB, DRAFT_VOCAB = 6, 64, 100, 40
 
 
-@pytest.fixture(scope="module")
-def valid(tmp_path_factory) -> Path:
+MLA = MLAConfig(q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12)
+
+
+# Every defect class is checked on the Llama drafter and on the MLA (deepseek_mla) one.
+@pytest.fixture(scope="module", params=["llama", "deepseek_mla"])
+def valid(request, tmp_path_factory) -> Path:
+    mla = request.param == "deepseek_mla"
     config = DrafterConfig(
         hidden_size=HIDDEN,
         intermediate_size=96,
         num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+        num_key_value_heads=4 if mla else 2,
+        head_dim=MLA.qk_head_dim if mla else 16,
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
         max_position_embeddings=256,
@@ -28,11 +33,12 @@ def valid(tmp_path_factory) -> Path:
         draft_vocab_size=DRAFT_VOCAB,
         target_hidden_size=HIDDEN,
         aux_layer_ids=(1, 3, 5),
+        mla=MLA if mla else None,
     )
     target_ids = torch.arange(0, 2 * DRAFT_VOCAB, 2)
     t2d = torch.zeros(VOCAB, dtype=torch.bool)
     t2d[target_ids] = True
-    out = tmp_path_factory.mktemp("ckpt") / "drafter"
+    out = tmp_path_factory.mktemp(request.param) / "drafter"
     save_drafter(out, Drafter(config), target_ids - torch.arange(DRAFT_VOCAB), t2d)
     return out
 
@@ -95,8 +101,8 @@ CASES = {
     ),
     # vLLM's loader ignores unexpected ".bias" tensors without a word
     "extra key": (
-        lambda cfg, t: t.update({"midlayer.self_attn.q_proj.bias": torch.zeros(64)}),
-        ["unexpected tensor midlayer.self_attn.q_proj.bias"],
+        lambda cfg, t: t.update({"midlayer.self_attn.o_proj.bias": torch.zeros(64)}),
+        ["unexpected tensor midlayer.self_attn.o_proj.bias"],
     ),
     "own embedding": (
         lambda cfg, t: t.update({"embed_tokens.weight": torch.zeros(VOCAB, HIDDEN)}),
@@ -112,15 +118,55 @@ CASES = {
     "target vocab": (lambda cfg, t: cfg.update(vocab_size=120), ["vocab_size is 120, the target's vocab is 100"]),
     "target hidden": (lambda cfg, t: cfg.update(target_hidden_size=32), ["target_hidden_size"]),
     "tied embeddings": (lambda cfg, t: cfg.update(tie_word_embeddings=True), ["tie_word_embeddings is true"]),
-    "missing head_dim": (lambda cfg, t: cfg.pop("head_dim"), ["config.json is missing head_dim"]),
     "weight dtype": (lambda cfg, t: t.update({"norm.weight": t["norm.weight"].half()}), ["norm.weight dtype"]),
     "nan": (lambda cfg, t: t["fc.weight"].__setitem__((0, 0), float("nan")), ["fc.weight has non-finite"]),
 }
 
 
-@pytest.mark.parametrize("case", CASES)
+LLAMA_CASES = {
+    "missing head_dim": (lambda cfg, t: cfg.pop("head_dim"), ["config.json is missing head_dim"]),
+    "MLA sizes on a Llama drafter": (
+        lambda cfg, t: cfg.update(kv_lora_rank=32), ["kv_lora_rank set, but architectures"]),
+    "the other attention's key": (
+        lambda cfg, t: t.update({"midlayer.self_attn.kv_b_proj.weight": torch.zeros(16, 32)}),
+        ["unexpected tensor midlayer.self_attn.kv_b_proj.weight"],
+    ),
+}
+MLA_CASES = {
+    # transformers would fill in DeepSeek-V2's 1536 and vLLM build a q_a/q_b pair of that rank
+    "missing q_lora_rank": (lambda cfg, t: cfg.pop("q_lora_rank"), ["config.json is missing q_lora_rank"]),
+    "the other attention's key": (
+        lambda cfg, t: t.update({"midlayer.self_attn.k_proj.weight": torch.zeros(16, 128)}),
+        ["unexpected tensor midlayer.self_attn.k_proj.weight"],
+    ),
+    "missing kv_lora_rank": (lambda cfg, t: cfg.pop("kv_lora_rank"), ["config.json is missing kv_lora_rank"]),
+    "no q low-rank": (
+        lambda cfg, t: cfg.update(q_lora_rank=None),
+        ["q_lora_rank is null: vLLM 0.32's deepseek_eagle3 loader", "MLA sizes must be positive integers"],
+    ),
+    "latent rank": (lambda cfg, t: cfg.update(kv_lora_rank=16), ["midlayer.self_attn.kv_b_proj.weight shape"]),
+    "value head dim": (lambda cfg, t: cfg.update(v_head_dim=16), ["midlayer.self_attn.o_proj.weight shape"]),
+    "model_type": (lambda cfg, t: cfg.update(model_type="llama"), ["model_type is 'llama', expected 'deepseek_v2'"]),
+    "kv heads": (lambda cfg, t: cfg.update(num_key_value_heads=2), ["num_key_value_heads is 2"]),
+    "sparse attention": (lambda cfg, t: cfg.update(index_topk=2048), ["index_topk is set"]),
+    "rope type": (
+        lambda cfg, t: cfg.update(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+        ["not supported for an MLA drafter"],
+    ),
+    "MLA weights in a Llama config": (
+        lambda cfg, t: cfg.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama"),
+        ["kv_lora_rank, qk_nope_head_dim", "set, but architectures", "config.json is missing head_dim"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", [*CASES, *LLAMA_CASES, *MLA_CASES])
 def test_broken_checkpoint_is_refused_naming_the_defect(valid, tmp_path, case):
-    edit, messages = CASES[case]
+    own = MLA_CASES if valid.parent.name.startswith("deepseek_mla") else LLAMA_CASES
+    if case not in CASES and case not in own:
+        pytest.skip("a defect of the other drafter")
+    edit, messages = CASES.get(case) or own[case]
     defects = check(broken(valid, tmp_path, edit))
     text = "\n".join(defects)
     for message in messages:

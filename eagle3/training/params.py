@@ -8,6 +8,7 @@ from pathlib import Path
 from eagle3.errors import PipelineError
 from eagle3.metrics import METRICS_DIR
 from eagle3.model.checkpoint import WEIGHT_DTYPES
+from eagle3.model.drafter import DRAFTERS
 
 HEAD_INITS = ("target", "random")
 # Params that change how a run is watched or saved, not the weights it produces: changing them
@@ -22,6 +23,7 @@ class TrainError(PipelineError, ValueError):
 @dataclass
 class TrainParams:
     init_from: str | None  # servable drafter directory to fine-tune (its d2t/t2d are kept)
+    drafter: str  # llama (grouped-query attention) | deepseek_mla (latent attention, DeepSeek-V3/Kimi targets)
     hidden_size: int | None  # drafter width; None: the target's (then it shares its embeddings)
     intermediate_size: int | None  # None: the target's
     # "target": a new drafter's lm_head and final norm start as the target's (its lm_head rows of the
@@ -93,6 +95,8 @@ def check_params(params: TrainParams, world: int) -> None:
     for name in ("epochs", "log_every", "checkpoint_every", "length_group", "ce_chunk_size"):
         if getattr(params, name) < 1:
             problems.append(f"{name}={getattr(params, name)} must be >= 1")
+    if params.drafter not in DRAFTERS:
+        problems.append(f"drafter={params.drafter!r} is not one of {list(DRAFTERS)}")
     if params.head_init not in HEAD_INITS:
         problems.append(f"head_init={params.head_init!r} is not one of {list(HEAD_INITS)}")
     if params.save_dtype not in (*WEIGHT_DTYPES, "target"):
