@@ -101,8 +101,9 @@ def wait_healthy(url: str, timeout_s: float, alive: Any = lambda: True) -> dict[
 
 
 def start(params: ServeParams, record: dict[str, Any], state_dir: Path = STATE_DIR,
-          command: list[str] | None = None) -> ServerState:
-    """Start vLLM (or `command`: another engine serving /health and /v1/models); return once it answers."""
+          command: list[str] | None = None, capture: dict | None = None) -> ServerState:
+    """Start vLLM (or `command`: another engine serving /health and /v1/models); return once it answers.
+    `capture` is recorded in the state for the callers that must know what the server captures."""
     running = running_server(state_dir)
     if running:
         print(f"serve: already running (pid {running.pid}, {running.url})", file=sys.stderr)
@@ -129,7 +130,8 @@ def start(params: ServeParams, record: dict[str, Any], state_dir: Path = STATE_D
         # Own session and process group: `stop` can end the server and every worker it spawned.
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     state = ServerState(pid=proc.pid, url=base_url(params), model=params.served_model_name,
-                        model_path=record["model_path"], started_at=time.time(), gpu=gpu, log=str(log_path))
+                        model_path=record["model_path"], started_at=time.time(), gpu=gpu, log=str(log_path),
+                        capture=capture)
     (state_dir / "server.pid").write_text(f"{proc.pid}\n")
     atomic_write_json(state_dir / "server.json", state.__dict__)
     print(f"serve: started pid {proc.pid} ({' '.join(cmd[2:6])} ...), log {log_path}", file=sys.stderr)
