@@ -37,8 +37,6 @@ from eagle3.metrics import gpus
 from eagle3.progress import Progress
 from eagle3.store.writer import ShardWriter
 
-CONNECTOR = "SpoolHiddenStatesConnector"
-CONNECTOR_MODULE = "eagle3.engine.hidden_connector"
 CAPTURE_FLAG = "eagle3_capture"  # the connector captures only requests carrying it (hidden_connector.py)
 SPOOL_POLL_S = 0.02
 RETRIES = 3  # per sample, on a connection error or 5xx while the engine process is alive
@@ -54,9 +52,14 @@ def capture_args(layer_ids: list[int], spool: Path) -> list[str]:
     """vLLM arguments that make a server capture `layer_ids` for requests that ask for it. Prefix
     caching is off: a cached prefix is not recomputed, and its states would come from the cache
     blocks of whichever request computed it first."""
+    # Imported here (it imports vLLM) so that the stage's code deps include the connector vLLM runs.
+    from eagle3.engine import hidden_connector
+
+    connector = hidden_connector.SpoolHiddenStatesConnector
     spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}}}
-    transfer = {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_producer",
+    transfer = {"kv_connector": connector.__name__, "kv_connector_module_path": connector.__module__,
+                "kv_role": "kv_producer",
                 "kv_connector_extra_config": {"shared_storage_path": str(spool), "use_synchronization_lock": False}}
     return ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(transfer),
             "--no-enable-prefix-caching"]
@@ -251,16 +254,18 @@ def run_engine_extraction(params: ExtractParams, serve: server.ServeParams, reco
               f"{'truncated' if params.over_length == 'truncate' else 'skipped'} (extract.over_length)",
               file=sys.stderr)
     total = sum(len(s.input_ids) for s in work.share)
-    progress = Progress("extract", total=total, unit="tokens", done=total - sum(len(s.input_ids) for s in work.todo))
+    done = total - sum(len(s.input_ids) for s in work.todo)
     print(f"extract: vLLM {vllm.__version__}: {len(work.samples)} samples, {len(work.samples) - len(work.todo)} "
           f"already stored in {work.dir}; capturing layer ids {layer_ids} (aux {work.aux_ids}, last = "
           f"{record['num_layers']}, pre-norm)", file=sys.stderr)
     start = time.monotonic()
+    progress = Progress("extract", total=total, unit="tokens", done=done)
     if work.todo:
         state, entry, started = connect(serve, record, tokenizer, layer_ids, state_dir)
         try:
             clear_spool(Path(state.capture["spool"]))
-            start = time.monotonic()
+            start = time.monotonic()  # the rate counts the engine's work, not its start-up
+            progress = Progress("extract", total=total, unit="tokens", done=done)
             writer = ShardWriter(work.dir, level=params.zstd_level, shard_bytes=int(params.shard_mb * (1 << 20)),
                                  threads=params.compress_threads)
             with writer:
