@@ -23,6 +23,8 @@ class Agreement:
     min_cosine: dict[str, float] = field(default_factory=dict)  # "aux<id>" / "last" -> worst position
     max_rel_error: dict[str, float] = field(default_factory=dict)
     worst: dict[str, str] = field(default_factory=dict)  # "aux<id>" / "last" -> "sample@position"
+    below: dict[str, int] = field(default_factory=dict)  # positions whose cosine is under `threshold`
+    threshold: float = 0.999
 
     def ok(self, min_cosine: float) -> bool:
         return (not self.ids_differ and not self.missing and self.samples > 0
@@ -30,17 +32,19 @@ class Agreement:
 
     def line(self) -> str:
         parts = [f"{name}: cos >= {self.min_cosine[name]:.7f} (at {self.worst[name]}), "
-                 f"rel err <= {self.max_rel_error[name]:.4f}" for name in self.min_cosine]
+                 f"rel err <= {self.max_rel_error[name]:.4f}, {self.below[name]} under {self.threshold}"
+                 for name in self.min_cosine]
         return (f"{self.samples} samples, {self.tokens} positions, ids differ in {len(self.ids_differ)}, "
                 f"missing {len(self.missing)}; " + "; ".join(parts))
 
 
-def compare_stores(a: HiddenStore, b: HiddenStore) -> Agreement:
-    """`b` is the reference (relative errors are against it). Both must name the same aux ids."""
+def compare_stores(a: HiddenStore, b: HiddenStore, threshold: float = 0.999) -> Agreement:
+    """`b` is the reference (relative errors are against it). Both must name the same aux ids.
+    `threshold`: positions under this cosine are counted (the worst one alone can be an outlier)."""
     aux_ids = a.manifest["aux_layer_ids"]
     if aux_ids != b.manifest["aux_layer_ids"]:
         raise ValueError(f"the stores name different aux ids: {aux_ids} and {b.manifest['aux_layer_ids']}")
-    out = Agreement()
+    out = Agreement(threshold=threshold)
     ids_a, ids_b = set(a.sample_ids), set(b.sample_ids)
     out.missing = sorted(ids_a ^ ids_b)
     for sample_id in sorted(ids_a & ids_b):
@@ -61,4 +65,5 @@ def compare_stores(a: HiddenStore, b: HiddenStore) -> Agreement:
             if cos[worst].item() < out.min_cosine.get(name, 2.0):
                 out.min_cosine[name], out.worst[name] = cos[worst].item(), f"{sample_id}@{worst}"
             out.max_rel_error[name] = max(out.max_rel_error.get(name, 0.0), rel.max().item())
+            out.below[name] = out.below.get(name, 0) + int((cos < threshold).sum())
     return out
