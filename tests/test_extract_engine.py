@@ -262,7 +262,8 @@ def test_kill_9_of_the_engine_fails_clearly_then_rerun_resumes(embedded_target, 
 def test_samples_longer_than_the_engine_allows(embedded_target, tokenizer, capture_server, tmp_path):
     serve, state_dir = capture_server  # max_model_len 1024: a sample may have 1023 tokens
     responses = write_responses(tokenizer, tmp_path / "long.parquet", TEXTS[:2], repeat=120)
-    lengths = [len(r["prompt_token_ids"]) + len(r["completion_token_ids"]) for r in pq.read_table(responses).to_pylist()]
+    lengths = [len(r["prompt_token_ids"]) + len(r["completion_token_ids"])
+               for r in pq.read_table(responses).to_pylist()]
     assert lengths[0] < 1024 < lengths[1] < 2048  # within extract.max_seq_len, over the engine's limit
     summary, store = engine_run(embedded_target, tokenizer, responses, tmp_path / "t", serve, state_dir)
     assert summary["truncated"] == 1 and summary["engine_limited"] == 1 and store.num_tokens.max() == 1023
@@ -309,6 +310,16 @@ def test_too_few_gpus_for_the_parallel_sizes():
         check_parallel_sizes(serve, ["NVIDIA H200"])
     check_parallel_sizes(serve, ["NVIDIA H200"] * 8)
     check_parallel_sizes(serve, [])  # CPU: vLLM-CPU runs its ranks as processes
+
+
+def test_the_serve_sections_parallel_sizes_reach_the_engine(embedded_target):
+    record = embedded_target[1]
+    moe = server.server_command(shipped("serve", ServeParams, tensor_parallel_size=4, data_parallel_size=2,
+                                        enable_expert_parallel=True), record, gpu=True)
+    assert moe[moe.index("--tensor-parallel-size") + 1] == "4" and moe[moe.index("--data-parallel-size") + 1] == "2"
+    assert "--enable-expert-parallel" in moe
+    dense = server.server_command(shipped("serve", ServeParams, enable_expert_parallel=False), record, gpu=True)
+    assert "--enable-expert-parallel" not in dense
 
 
 def test_capture_configuration():

@@ -271,9 +271,32 @@ def test_plan_prints_one_screen_and_a_plot(tmp_path, capsys):
     assert len(out.splitlines()) <= 24 and png.stat().st_size > 0
 
 
+def test_kimi_on_b300_plans_both_extraction_paths_calibrated_by_the_cpu_engine_run():
+    """`make plan` for Kimi-K2.5 on b300-nvl8: the engine path's seconds follow from the committed CPU
+    benchmark of both paths (benchmarks/extract_engines.py), the HF path's from the H200 benchmark."""
+    kimi, b300 = load_target("kimi-k2.5", PROFILES), load_hardware("b300-nvl8", PROFILES)
+    smollm, cpu = load_target("smollm2-135m", PROFILES), load_hardware("cpu-2core", PROFILES)
+    bench = json.loads((RESULTS / "extract-engines-cpu.json").read_text())
+    roofline_s = model.engine_extraction_roofline_s(smollm, cpu, bench["tokens"], bench["mean_seq"], "bf16")
+    efficiency = roofline_s / (bench["tokens"] / bench["engine_tokens_per_s"])
+    work = model.Workload(samples=10000, prompt_tokens=500, completion_tokens=2000, weights="int4")
+    result = plan.project(kimi, b300, work, calibrate([ROOT / "metrics", RESULTS], PROFILES))
+    (engine,) = [s for s in result.stages if s.stage == "extract"]
+    (hf_path,) = result.alternatives
+    assert engine.note.startswith("vllm: 2 replica(s) x TP/EP 4") and "extract-engines-cpu.json" in engine.note
+    assert f"eff {efficiency:.2f}" in engine.note
+    assert "prefill compute" in engine.note  # not CPU compression, at this size
+    assert engine.seconds == pytest.approx(
+        model.engine_extraction_roofline_s(kimi, b300, work.tokens, work.seq_len, "int4") / efficiency)
+    assert hf_path.stage == "(hf)" and "extract-h200.json" in hf_path.note and "one computes at a time" in hf_path.note
+    assert hf_path.seconds > 5 * engine.seconds  # one GPU of 8 at a time against all 8
+    assert result.seconds == pytest.approx(sum(s.seconds for s in result.stages))  # the engine's in the total
+
+
 def test_plan_compare_gives_speedups_and_bottlenecks(tmp_path, capsys):
     plan.main(["--hw", "b300-nvl8", "--compare", "rtx-pro-6000-8", "--target", "kimi-k2.5", "--samples", "10000",
-               "--profiles", str(PROFILES), "--measured", str(ROOT / "metrics"), str(RESULTS), "--plot", str(tmp_path / "p.png")])
+               "--profiles", str(PROFILES), "--measured", str(ROOT / "metrics"), str(RESULTS),
+               "--plot", str(tmp_path / "p.png")])
     out = capsys.readouterr().out
     assert "speedup" in out and "bottleneck:" in out and out.count("x\n") >= 5
 

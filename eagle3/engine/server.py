@@ -33,6 +33,7 @@ class ServeParams:
     served_model_name: str
     tensor_parallel_size: int
     data_parallel_size: int
+    enable_expert_parallel: bool  # MoE: experts over all tensor x data parallel ranks
     max_model_len: int
     gpu_memory_utilization: float
     reasoning_parser: str | None  # e.g. kimi_k2, deepseek_r1, qwen3
@@ -58,6 +59,8 @@ def server_command(params: ServeParams, record: dict[str, Any], gpu: bool) -> li
            "--max-model-len", str(params.max_model_len),
            "--tensor-parallel-size", str(params.tensor_parallel_size),
            "--data-parallel-size", str(params.data_parallel_size)]
+    if params.enable_expert_parallel:
+        cmd.append("--enable-expert-parallel")
     if record.get("revision"):
         cmd += ["--revision", record["revision"]]
     if gpu:

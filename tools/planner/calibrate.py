@@ -150,7 +150,8 @@ def extract_measurement(m: dict, path: Path, hw: Hardware, target: Target, weigh
     engine = m.get("engine", "hf")  # runs before extract.engine existed took the HF path
     roofline = (model.engine_extraction_roofline_s if engine == "vllm" else model.extraction_roofline_s)
     cal.measurements.append(Measurement("extract-vllm" if engine == "vllm" else "extract", str(path), hw, target.name,
-                                        roofline(target, hw, new, seq, weights), new / key(m, "new_tokens_per_s", path)))
+                                        roofline(target, hw, new, seq, weights),
+                                        new / key(m, "new_tokens_per_s", path)))
 
 
 def train_measurement(m: dict, path: Path, hw: Hardware, target: Target, weights: str, params: dict,
