@@ -6,7 +6,8 @@ The samples (responses and conversations with dataset answers of a pipeline run)
 the same machine load (the 2-core box is shared). Each chunk's tokens/s is the stage's own
 `new_tokens_per_s` (compute only: the HF model load and the server start-up are reported apart);
 the record keeps every chunk and the medians. The engine's states are compared with HF's per
-position (eagle3/store/compare.py) in the target's own dtype.
+position (eagle3/store/compare.py) in the target's own dtype; with --fp32-reference, both paths are also
+compared with HF run in float32 on the same chunk (how far each 16-bit path is from exact arithmetic).
 
   python -m benchmarks.extract_engines --run /work/main --port 8402 --out benchmarks/results/extract-engines-cpu.json
 """
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chunk-tokens", type=int, default=8000)
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--fp32-reference", action="store_true", help="also HF in float32 on each chunk (untimed)")
     args = p.parse_args(argv)
     from transformers import AutoTokenizer
 
@@ -95,10 +97,21 @@ def main(argv: list[str] | None = None) -> None:
                                             responses, work / f"vllm{k}/hidden", work / f"vllm{k}/work", answered,
                                             state_dir)
                 agreement = compare_stores(HiddenStore(work / f"vllm{k}/hidden"), HiddenStore(work / f"hf{k}/hidden"))
-                rows.append({"samples": hf["samples"], "tokens": hf["tokens"], "hf_tokens_per_s": hf["new_tokens_per_s"],
+                rows.append({"samples": hf["samples"], "tokens": hf["tokens"],
+                             "hf_tokens_per_s": hf["new_tokens_per_s"],
                              "engine_tokens_per_s": eng["new_tokens_per_s"], "min_cosine": agreement.min_cosine,
                              "max_rel_error": agreement.max_rel_error, "worst": agreement.worst,
-                             "ids_differ": len(agreement.ids_differ)})
+                             "below_0.999": agreement.below, "ids_differ": len(agreement.ids_differ)})
+                if args.fp32_reference:
+                    run_extraction(dataclasses.replace(params, engine="hf"), {**record, "dtype": "float32"}, tokenizer,
+                                   responses, work / f"fp32{k}/hidden", work / f"fp32{k}/work", answered)
+                    exact = HiddenStore(work / f"fp32{k}/hidden")
+                    for name in ("hf", "vllm"):
+                        versus = compare_stores(HiddenStore(work / f"{name}{k}/hidden"), exact)
+                        rows[-1][f"{name}_vs_fp32"] = {"min_cosine": versus.min_cosine, "below_0.999": versus.below,
+                                                       "max_rel_error": versus.max_rel_error}
+                        print(f"chunk {k}: {name} ({record['dtype']}) vs HF float32: {versus.line()}", file=sys.stderr,
+                              flush=True)
                 print(f"chunk {k}: {hf['tokens']} tokens, hf {hf['new_tokens_per_s']} tok/s, vllm "
                       f"{eng['new_tokens_per_s']} tok/s; {agreement.line()}", file=sys.stderr, flush=True)
         finally:
@@ -115,7 +128,8 @@ def main(argv: list[str] | None = None) -> None:
               "hf_max_tokens_per_batch": params.max_tokens_per_batch,
               "min_cosine": {n: min(r["min_cosine"][n] for r in rows) for n in rows[0]["min_cosine"]},
               "max_rel_error": {n: max(r["max_rel_error"][n] for r in rows) for n in rows[0]["max_rel_error"]},
-              "chunks": rows}
+              "below_0.999": {n: sum(r["below_0.999"][n] for r in rows) for n in rows[0]["below_0.999"]},
+              "positions": tokens, "chunks": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "chunks"}, indent=2))
