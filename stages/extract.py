@@ -5,16 +5,20 @@ Per sample: its token ids, the loss mask (generated tokens), the target's states
 ids (vLLM's convention: id X = output of decoder layer X-1, 0 = the embeddings) and the last
 decoder layer's output before the final norm. bf16, sharded, zstd on byte planes, an index with a
 CRC per sample and a manifest. Resumes from the last complete shard after a crash; under torchrun
-each rank extracts every world-size-th sample.
+each rank extracts every world-size-th sample. `extract.engine: vllm` has the serving engine compute
+the states (the `serve` section's parallel sizes; it starts and stops the server unless a capturing
+one is running), into the same store.
 """
 from __future__ import annotations
 
 import time
 
 from eagle3.cli import run_stage
+from eagle3.engine.server import ServeParams
 from eagle3.engine.state import require_accelerators_free
-from eagle3.extraction.hf import ANSWERED, HIDDEN_DIR, run_extraction
-from eagle3.extraction.params import ExtractParams
+from eagle3.extraction.engine import run_engine_extraction
+from eagle3.extraction.hf import ANSWERED, HIDDEN_DIR, RESPONSES, WORK_DIR, run_extraction
+from eagle3.extraction.params import ENGINES, ExtractError, ExtractParams
 from eagle3.metrics import write_metrics
 from eagle3.params import load_section
 from eagle3.target.record import TARGET_DIR, load_record
@@ -24,10 +28,17 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     start = time.monotonic()
-    require_accelerators_free("extract")
     params = load_section("extract", ExtractParams)
+    if params.engine not in ENGINES:
+        raise ExtractError(f"extract.engine={params.engine!r}: expected one of {', '.join(ENGINES)}")
     record = load_record(TARGET_DIR)
-    summary = run_extraction(params, record, AutoTokenizer.from_pretrained(TARGET_DIR), answered=ANSWERED)
+    tokenizer = AutoTokenizer.from_pretrained(TARGET_DIR)
+    if params.engine == "vllm":  # the server holds the accelerators, and is what computes
+        summary = run_engine_extraction(params, load_section("serve", ServeParams), record, tokenizer,
+                                        RESPONSES, HIDDEN_DIR, WORK_DIR, answered=ANSWERED)
+    else:
+        require_accelerators_free("extract")
+        summary = run_extraction(params, record, tokenizer, answered=ANSWERED)
     if "samples" not in summary:  # not rank 0
         return
     wall = time.monotonic() - start
@@ -36,7 +47,7 @@ def main() -> None:
           f"{summary['new_tokens_per_s']} tok/s), {summary['raw_bytes'] / 1e6:.1f} MB raw -> "
           f"{summary['stored_bytes'] / 1e6:.1f} MB stored ({summary['stored_over_raw']:.3f}, "
           f"{summary['bytes_per_token']} B/token), {summary['truncated']} truncated, {summary['skipped']} skipped, "
-          f"{wall:.0f}s -> {HIDDEN_DIR}")
+          f"{wall:.0f}s ({params.engine}) -> {HIDDEN_DIR}")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import torch
 from eagle3.extraction import hf as extract
 from eagle3.extraction.hf import run_extraction
 from eagle3.extraction.params import ExtractError, ExtractParams
+from eagle3.store.layout import completed_sample_ids
 from eagle3.store.reader import HiddenStore, to_torch
 from eagle3.target.chat import render
 from tests.conftest import shipped
@@ -96,7 +97,7 @@ def test_resume_after_a_crash_stores_each_sample_once(embedded_target, tokenizer
     monkeypatch.setattr(extract, "forward_batch", crashing_forward)
     with pytest.raises(RuntimeError, match="simulated crash"):
         run(embedded_target, tokenizer, responses, tmp_path, max_tokens_per_batch=1, shard_mb=1e-6)
-    stored_before = set(extract.completed_sample_ids(next((tmp_path / "work").iterdir())))
+    stored_before = set(completed_sample_ids(next((tmp_path / "work").iterdir())))
     assert 0 < len(stored_before) < len(TEXTS)
     calls: list[str] = []
     monkeypatch.setattr(extract, "forward_batch",

@@ -128,6 +128,22 @@ def test_extraction_splits_a_model_too_big_for_one_gpu():
         model.extraction_roofline_s(llama, load_hardware("h200-1", PROFILES), 1e6, 2048, "bf16"))  # 8 copies
 
 
+def test_engine_extraction_keeps_every_gpu_busy():
+    kimi, b300 = load_target("kimi-k2.5", PROFILES), load_hardware("b300-nvl8", PROFILES)
+    assert model.engine_layout(kimi, b300, "int4") == (4, 2)  # 3 GPUs hold it; 4 divides 8: 2 TP/EP replicas
+    llama, h200 = load_target("llama-3.1-8b", PROFILES), load_hardware("h200-8", PROFILES)
+    assert model.engine_layout(llama, h200, "bf16") == (1, 8)  # fits one GPU: 8 DP replicas
+    # a target that fits one GPU: no all-reduce, the same seconds as 8 HF copies under torchrun
+    assert model.engine_extraction_roofline_s(llama, h200, 8e6, 2048, "bf16") == pytest.approx(
+        model.extraction_roofline_s(llama, h200, 8e6, 2048, "bf16"))
+    # Kimi: all 8 GPUs compute instead of one at a time, plus 2 all-reduces per layer inside each replica
+    tokens, seq = 1e6, 1000
+    compute = model.forward_flops_per_token(kimi, seq) * tokens / (8 * 2250e12)
+    comm = 2 * kimi.layers * model.ring_allreduce_s(tokens / 2 * kimi.hidden_size * 2, 4, 900e9)
+    assert model.engine_extraction_roofline_s(kimi, b300, tokens, seq, "int4") == pytest.approx(compute + comm)
+    assert model.extraction_roofline_s(kimi, b300, tokens, seq, "int4") > 5 * (compute + comm)
+
+
 def test_extraction_flops_match_the_extract_benchmark():
     bench = json.loads((RESULTS / "extract-h200.json").read_text())
     llama = load_target("llama-3.1-8b", PROFILES)
@@ -201,6 +217,16 @@ def test_metrics_dir_calibrates_generation_and_says_what_it_could_not_use(tmp_pa
     assert any("train.json: not found" in note for note in cal.unused)
 
 
+def test_an_engine_extraction_run_calibrates_the_engine_path(tmp_path):
+    metrics = embedded_run(tmp_path)
+    extract = json.loads((metrics / "extract.json").read_text())
+    (metrics / "extract.json").write_text(json.dumps({**extract, "engine": "vllm"}))
+    cal = calibrate([metrics], PROFILES)
+    engine = cal.pick("extract-vllm", on_gpu=False)
+    assert engine.measured_s == pytest.approx(extract["new_tokens"] / extract["new_tokens_per_s"])
+    assert not [m for m in cal.measurements if m.stage == "extract"]  # it did not measure the HF path
+
+
 # ------------------------------------------------------------------------------ the honest check
 
 
@@ -239,12 +265,38 @@ def test_plan_prints_one_screen_and_a_plot(tmp_path, capsys):
     out = capsys.readouterr().out
     for word in ("generate", "extract", "train", "transfer", "total", "hidden store", "cost", "$"):
         assert word in out
+    # both extraction paths, side by side; the engine's in the total
+    assert "extract        " in out and "vllm: 2 replica(s) x TP/EP 4, all 8 GPUs busy" in out
+    assert "(hf)" in out and "not in the total" in out and "one computes at a time" in out
     assert len(out.splitlines()) <= 24 and png.stat().st_size > 0
+
+
+def test_kimi_on_b300_plans_both_extraction_paths_calibrated_by_the_cpu_engine_run():
+    """`make plan` for Kimi-K2.5 on b300-nvl8: the engine path's seconds follow from the committed CPU
+    benchmark of both paths (benchmarks/extract_engines.py), the HF path's from the H200 benchmark."""
+    kimi, b300 = load_target("kimi-k2.5", PROFILES), load_hardware("b300-nvl8", PROFILES)
+    smollm, cpu = load_target("smollm2-135m", PROFILES), load_hardware("cpu-2core", PROFILES)
+    bench = json.loads((RESULTS / "extract-engines-cpu.json").read_text())
+    roofline_s = model.engine_extraction_roofline_s(smollm, cpu, bench["tokens"], bench["mean_seq"], "bf16")
+    efficiency = roofline_s / (bench["tokens"] / bench["engine_tokens_per_s"])
+    work = model.Workload(samples=10000, prompt_tokens=500, completion_tokens=2000, weights="int4")
+    result = plan.project(kimi, b300, work, calibrate([ROOT / "metrics", RESULTS], PROFILES))
+    (engine,) = [s for s in result.stages if s.stage == "extract"]
+    (hf_path,) = result.alternatives
+    assert engine.note.startswith("vllm: 2 replica(s) x TP/EP 4") and "extract-engines-cpu.json" in engine.note
+    assert f"eff {efficiency:.2f}" in engine.note
+    assert "prefill compute" in engine.note  # not CPU compression, at this size
+    assert engine.seconds == pytest.approx(
+        model.engine_extraction_roofline_s(kimi, b300, work.tokens, work.seq_len, "int4") / efficiency)
+    assert hf_path.stage == "(hf)" and "extract-h200.json" in hf_path.note and "one computes at a time" in hf_path.note
+    assert hf_path.seconds > 5 * engine.seconds  # one GPU of 8 at a time against all 8
+    assert result.seconds == pytest.approx(sum(s.seconds for s in result.stages))  # the engine's in the total
 
 
 def test_plan_compare_gives_speedups_and_bottlenecks(tmp_path, capsys):
     plan.main(["--hw", "b300-nvl8", "--compare", "rtx-pro-6000-8", "--target", "kimi-k2.5", "--samples", "10000",
-               "--profiles", str(PROFILES), "--measured", str(ROOT / "metrics"), str(RESULTS), "--plot", str(tmp_path / "p.png")])
+               "--profiles", str(PROFILES), "--measured", str(ROOT / "metrics"), str(RESULTS),
+               "--plot", str(tmp_path / "p.png")])
     out = capsys.readouterr().out
     assert "speedup" in out and "bottleneck:" in out and out.count("x\n") >= 5
 

@@ -37,6 +37,7 @@ class Plan:
     stages: list[StageEstimate]
     hidden_bytes: float
     weight_bytes: float
+    alternatives: list[StageEstimate]  # shown beside the stages, not in the total (the other extraction path)
 
     @property
     def seconds(self) -> float:
@@ -73,8 +74,25 @@ def project(target: Target, hw: Hardware, work: model.Workload, cal: Calibration
     replica = model.devices_per_replica(target, hw, work.weights)
     split = (f"needs {replica} GPUs: split over all {hw.devices} by layers, one computes at a time; "
              if replica > 1 else "")
-    bound = (f"CPU compression ({hw.cpu_cores} cores x {mb_s:.0f} MB/s, {mb_s_source})" if compress_s > compute_s
-             else "prefill compute")
+
+    def bound(compute: float) -> str:
+        return (f"CPU compression ({hw.cpu_cores} cores x {mb_s:.0f} MB/s, {mb_s_source})" if compress_s > compute
+                else "prefill compute")
+
+    hf_extract = StageEstimate("extract", max(compute_s, compress_s), f"hf: {split}{bound(compute_s)}; {source(ext)}")
+    group, replicas = model.engine_layout(target, hw, work.weights)
+    try:
+        eng = cal.pick("extract-vllm", on_gpu)
+        eng_source = source(eng)
+    except CalibrationError:  # no measured run of the engine path: the HF path's efficiency, said so
+        eng, eng_source = ext, f"uncalibrated, the HF path's {source(ext)}"
+    engine_s = model.engine_extraction_roofline_s(target, hw, work.tokens, work.seq_len, work.weights) / eng.efficiency
+    layout = f"{replicas} replica(s) x TP/EP {group}, all {hw.devices} GPUs busy" if on_gpu else "the CPU"
+    engine_extract = StageEstimate("extract", max(engine_s, compress_s),
+                                   f"vllm: {layout}; {bound(engine_s)}; {eng_source}")
+    chosen, other = ((engine_extract, hf_extract) if work.extract_engine == "vllm" else (hf_extract, engine_extract))
+    other = StageEstimate(f"({other.note.split(':')[0]})", other.seconds, "the other extract.engine, not in the total: "
+                          + other.note.split(": ", 1)[1])
     train_compute, train_comm = model.training_roofline_s(target, hw, work.tokens * work.epochs, work.seq_len,
                                                           work.ttt_steps, work.tokens_per_device_step)
     hidden = model.hidden_store_bytes(target, work.tokens, ratio)
@@ -82,13 +100,13 @@ def project(target: Target, hw: Hardware, work: model.Workload, cal: Calibration
     comm = f", gradient all-reduce {train_comm / 60:.1f} min over {hw.link}" if train_comm else ""
     stages = [
         StageEstimate("generate", generate_s, f"decode at {min(work.concurrency, work.samples)} concurrent; {source(gen)}"),
-        StageEstimate("extract", max(compute_s, compress_s), f"{split}{bound}; {source(ext)}"),
+        chosen,
         StageEstimate("train", train_compute / trn.efficiency + train_comm, f"drafter compute{comm}; {source(trn)}"),
         StageEstimate("transfer", model.transfer_s(weights + hidden, work.link_gbit_s),
                       f"weights in + hidden store out at {work.link_gbit_s:g} Gbit/s; stored/raw {ratio:.3f} "
                       f"from {ratio_source}"),
     ]
-    return Plan(hw, target, work, stages, hidden, weights)
+    return Plan(hw, target, work, stages, hidden, weights, [other])
 
 
 # ------------------------------------------------------------------------------------------ output
@@ -108,7 +126,9 @@ def describe(plan: Plan) -> list[str]:
 
 def table(plan: Plan) -> str:
     lines = describe(plan) + ["", f"{'stage':<9} {'hours':>9}  what bounds it; calibration"]
-    lines += [f"{s.stage:<9} {hours(s.seconds):>9}  {s.note}" for s in plan.stages]
+    for s in plan.stages:
+        lines.append(f"{s.stage:<9} {hours(s.seconds):>9}  {s.note}")
+        lines += [f"{a.stage:<9} {hours(a.seconds):>9}  {a.note}" for a in plan.alternatives if s.stage == "extract"]
     lines += [f"{'total':<9} {hours(plan.seconds):>9}  bottleneck: {plan.bottleneck.stage}",
               f"disk      hidden store {plan.hidden_bytes / 1e12:,.2f} TB "
               f"({model.raw_bytes_per_token(plan.target):,.0f} B/token raw), weights {plan.weight_bytes / 1e9:,.0f} GB",
@@ -125,6 +145,10 @@ def comparison(a: Plan, b: Plan) -> str:
     for sa in a.stages:
         sb = b.stage(sa.stage)
         lines.append(f"{sa.stage:<9} {hours(sa.seconds):>14} h {hours(sb.seconds):>14} h {sb.seconds / sa.seconds:>7.2f}x")
+        if sa.stage == "extract":
+            lines += [f"{xa.stage:<9} {hours(xa.seconds):>14} h {hours(xb.seconds):>14} h "
+                      f"{xb.seconds / xa.seconds:>7.2f}x  (not in the total)"
+                      for xa, xb in zip(a.alternatives, b.alternatives)]
     lines += [f"{'total':<9} {hours(a.seconds):>14} h {hours(b.seconds):>14} h {b.seconds / a.seconds:>7.2f}x",
               f"{'cost':<9} {'$' + format(a.dollars, ',.0f'):>16} {'$' + format(b.dollars, ',.0f'):>16}",
               f"bottleneck: {a.bottleneck.stage} on {name_a} ({a.bottleneck.seconds / a.seconds:.0%} of its time), "
@@ -170,6 +194,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ttt-steps", type=int, default=7, help="training-time-test unroll K")
     p.add_argument("--concurrency", type=int, default=128, help="sequences decoded together")
     p.add_argument("--weights", help="weight format served (default: the target profile's)")
+    p.add_argument("--extract-engine", choices=("vllm", "hf"), default="vllm",
+                   help="the extraction path counted in the total (the other one is shown beside it)")
     p.add_argument("--tokens-per-gpu-step", type=int, default=16384, help="training tokens per GPU per step")
     p.add_argument("--link-gbit", type=float, default=10.0, help="network of the rented box, Gbit/s")
     p.add_argument("--measured", type=Path, nargs="+", default=[Path("metrics"), Path("benchmarks/results")],
@@ -187,7 +213,8 @@ def main(argv: list[str] | None = None) -> None:
         work = model.Workload(samples=args.samples, prompt_tokens=args.prompt_tokens,
                               completion_tokens=args.completion_tokens, epochs=args.epochs, ttt_steps=args.ttt_steps,
                               concurrency=args.concurrency, weights=args.weights or target.default_weights,
-                              tokens_per_device_step=args.tokens_per_gpu_step, link_gbit_s=args.link_gbit)
+                              tokens_per_device_step=args.tokens_per_gpu_step, link_gbit_s=args.link_gbit,
+                              extract_engine=args.extract_engine)
         cal = calibrate(args.measured, args.profiles)
         plans = [project(target, hw, work, cal) for hw in machines]
     except (ProfileError, CalibrationError, ValueError) as err:

@@ -33,6 +33,7 @@ class ServeParams:
     served_model_name: str
     tensor_parallel_size: int
     data_parallel_size: int
+    enable_expert_parallel: bool  # MoE: experts over all tensor x data parallel ranks
     max_model_len: int
     gpu_memory_utilization: float
     reasoning_parser: str | None  # e.g. kimi_k2, deepseek_r1, qwen3
@@ -58,6 +59,8 @@ def server_command(params: ServeParams, record: dict[str, Any], gpu: bool) -> li
            "--max-model-len", str(params.max_model_len),
            "--tensor-parallel-size", str(params.tensor_parallel_size),
            "--data-parallel-size", str(params.data_parallel_size)]
+    if params.enable_expert_parallel:
+        cmd.append("--enable-expert-parallel")
     if record.get("revision"):
         cmd += ["--revision", record["revision"]]
     if gpu:
@@ -101,8 +104,9 @@ def wait_healthy(url: str, timeout_s: float, alive: Any = lambda: True) -> dict[
 
 
 def start(params: ServeParams, record: dict[str, Any], state_dir: Path = STATE_DIR,
-          command: list[str] | None = None) -> ServerState:
-    """Start vLLM (or `command`: another engine serving /health and /v1/models); return once it answers."""
+          command: list[str] | None = None, capture: dict | None = None) -> ServerState:
+    """Start vLLM (or `command`: another engine serving /health and /v1/models); return once it answers.
+    `capture` is recorded in the state for the callers that must know what the server captures."""
     running = running_server(state_dir)
     if running:
         print(f"serve: already running (pid {running.pid}, {running.url})", file=sys.stderr)
@@ -129,7 +133,8 @@ def start(params: ServeParams, record: dict[str, Any], state_dir: Path = STATE_D
         # Own session and process group: `stop` can end the server and every worker it spawned.
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     state = ServerState(pid=proc.pid, url=base_url(params), model=params.served_model_name,
-                        model_path=record["model_path"], started_at=time.time(), gpu=gpu, log=str(log_path))
+                        model_path=record["model_path"], started_at=time.time(), gpu=gpu, log=str(log_path),
+                        capture=capture)
     (state_dir / "server.pid").write_text(f"{proc.pid}\n")
     atomic_write_json(state_dir / "server.json", state.__dict__)
     print(f"serve: started pid {proc.pid} ({' '.join(cmd[2:6])} ...), log {log_path}", file=sys.stderr)

@@ -32,6 +32,9 @@ class ServerState:
     started_at: float
     gpu: bool
     log: str
+    # What the server captures for the extract stage (eagle3/extraction/engine.py: layer ids, spool
+    # directory), None for a plain server; state files written before this field read as None.
+    capture: dict | None = None
 
     @classmethod
     def read(cls, state_dir: Path = STATE_DIR) -> ServerState | None:

@@ -10,7 +10,6 @@ merges the index. A target larger than one GPU is split by layers (`extract.devi
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -19,18 +18,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from eagle3.extraction.params import OVER_LENGTH, ExtractError, ExtractParams
-from eagle3.extraction.samples import (
-    LAYER_ID_CONVENTION,
-    Sample,
-    fingerprint,
-    length_batches,
-    load_samples,
-    resolve_aux_ids,
-)
+from eagle3.extraction.params import ExtractParams
+from eagle3.extraction.samples import Sample, length_batches
+from eagle3.extraction.store import finish_store, plan_work
 from eagle3.progress import Progress
-from eagle3.store.codec import ArraySpec
-from eagle3.store.layout import completed_sample_ids, merge_index, rank_todo, write_manifest
 from eagle3.store.writer import ShardWriter
 from eagle3.target.capture import Capture
 
@@ -102,27 +93,18 @@ def pick_device(params: ExtractParams, rank: int) -> torch.device:
 
 def run_extraction(params: ExtractParams, record: dict, tokenizer: Any, responses: Path = RESPONSES,
                    out: Path = HIDDEN_DIR, work_root: Path = WORK_DIR, answered: Path | None = None) -> dict[str, Any]:
-    if params.over_length not in OVER_LENGTH:
-        raise ExtractError(f"extract.over_length={params.over_length!r}: expected one of {', '.join(OVER_LENGTH)}")
     rank, world = distributed()
-    aux_ids = resolve_aux_ids(params, record)
-    samples, counts = load_samples(responses, answered, tokenizer, record["vocab_size"], params)
-    if not samples:
-        raise ExtractError(f"{responses}: no sample to store ({counts['skipped']} skipped as longer than "
-                           f"extract.max_seq_len={params.max_seq_len})")
-    work = work_root / fingerprint(record, aux_ids, params, [responses] + ([answered] if answered else []))
-    by_id = {s.id: s for s in samples}
-    share = rank_todo([s.id for s in samples], set(), rank, world)
-    todo = [by_id[i] for i in rank_todo([s.id for s in samples], completed_sample_ids(work), rank, world)]
+    work = plan_work(params, record, tokenizer, responses, answered, work_root, rank, world)
+    todo = work.todo
     progress = Progress(f"extract rank {rank}" if world > 1 else "extract",
-                        total=sum(len(by_id[i].input_ids) for i in share), unit="tokens",
-                        done=sum(len(by_id[i].input_ids) for i in share) - sum(len(s.input_ids) for s in todo))
-    print(f"extract: rank {rank}/{world}: {len(share)} of {len(samples)} samples, {len(share) - len(todo)} already "
-          f"stored in {work}; aux layers {aux_ids}", file=sys.stderr)
+                        total=sum(len(s.input_ids) for s in work.share), unit="tokens",
+                        done=sum(len(s.input_ids) for s in work.share) - sum(len(s.input_ids) for s in todo))
+    print(f"extract: rank {rank}/{world}: {len(work.share)} of {len(work.samples)} samples, "
+          f"{len(work.share) - len(todo)} already stored in {work.dir}; aux layers {work.aux_ids}", file=sys.stderr)
     device = pick_device(params, rank)
     model = load_model(record, params, device) if todo else None
-    capture = Capture(model, aux_ids) if model else None
-    writer = ShardWriter(work, rank=rank, level=params.zstd_level, shard_bytes=int(params.shard_mb * (1 << 20)),
+    capture = Capture(model, work.aux_ids) if model else None
+    writer = ShardWriter(work.dir, rank=rank, level=params.zstd_level, shard_bytes=int(params.shard_mb * (1 << 20)),
                          threads=params.compress_threads)
     start = time.monotonic()
     with writer:
@@ -143,23 +125,7 @@ def run_extraction(params: ExtractParams, record: dict, tokenizer: Any, response
         torch.distributed.all_reduce(new_tokens)
         torch.distributed.barrier()
     summary = {"new_tokens": int(new_tokens), "new_tokens_per_s": round(int(new_tokens) / max(compute_s, 1e-9), 1),
-               **counts, "aux_layer_ids": aux_ids}
+               **work.counts, "aux_layer_ids": work.aux_ids}
     if rank == 0:
-        totals = merge_index(work)
-        hidden = record["hidden_size"]
-        arrays = {"input_ids": ArraySpec("int32", ()), "loss_mask": ArraySpec("uint8", ()),
-                  "aux": ArraySpec("bfloat16", (len(aux_ids) * hidden,)), "last": ArraySpec("bfloat16", (hidden,))}
-        write_manifest(work, model_hash=record["weights_hash"], aux_layer_ids=aux_ids,
-                       layer_id_convention=LAYER_ID_CONVENTION, last_state="pre_norm", arrays=arrays,
-                       level=params.zstd_level, totals=totals,
-                       extra={"num_layers": record["num_layers"], "hidden_size": hidden, "max_seq_len": params.max_seq_len,
-                              **counts})
-        if out.exists():
-            shutil.rmtree(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(work, out)
-        summary |= {"samples": totals.samples, "tokens": totals.tokens, "loss_tokens": totals.loss_tokens,
-                    "raw_bytes": totals.raw_bytes, "stored_bytes": totals.stored_bytes, "shards": totals.shards,
-                    "bytes_per_token": round(totals.stored_bytes / max(totals.tokens, 1), 1),
-                    "stored_over_raw": round(totals.stored_over_raw, 4)}
+        summary |= finish_store(work, out, record, params, extra={"engine": "hf"})
     return summary

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from eagle3.errors import PipelineError
 
 OVER_LENGTH = ("truncate", "skip")
+ENGINES = ("hf", "vllm")
 
 
 class ExtractError(PipelineError, ValueError):
@@ -23,3 +24,8 @@ class ExtractParams:
     compress_threads: int
     device: str  # auto | cpu | cuda
     device_map: str | None  # "auto": spread a target larger than one GPU over all of them
+    # hf: the target in transformers (device, device_map); vllm: the serving engine captures the states
+    # (the `serve` section's parallel sizes), eagle3/extraction/engine.py
+    engine: str
+    engine_concurrency: int  # vllm: samples in flight (each one prefill of the whole sequence)
+    engine_timeout_s: float  # vllm: per sample, request and the hand-over of its states together

@@ -55,20 +55,27 @@ def token_rows(responses: Path, answered: Path | None, tokenizer: Any) -> Iterat
 
 
 def load_samples(responses: Path, answered: Path | None, tokenizer: Any, vocab_size: int,
-                 params: ExtractParams) -> tuple[list[Sample], dict]:
-    """Token sequences with a loss mask on the generated tokens (none for dataset answers)."""
+                 params: ExtractParams, max_len: int | None = None) -> tuple[list[Sample], dict]:
+    """Token sequences with a loss mask on the generated tokens (none for dataset answers).
+    Sequences over extract.max_seq_len, or over `max_len` (an engine's limit) when that is lower, are
+    truncated or skipped (`over_length`); `engine_limited` counts those only the engine's limit cut."""
+    limit = min(params.max_seq_len, max_len or params.max_seq_len)
     samples, counts = [], {"truncated": 0, "skipped": 0, "dataset_answer_samples": 0}
+    if limit < params.max_seq_len:
+        counts["engine_limited"] = 0
     for path, sample_id, token_ids, generated in token_rows(responses, answered, tokenizer):
         ids = np.asarray(token_ids, dtype=np.int64)
         if ids.max(initial=0) >= vocab_size:
             raise ExtractError(f"{path}: row {sample_id} has token id {ids.max()} >= vocab size {vocab_size}")
         mask = np.concatenate([np.zeros(len(ids) - generated, np.uint8), np.ones(generated, np.uint8)])
         counts["dataset_answer_samples"] += path == answered
-        if len(ids) > params.max_seq_len:
+        if len(ids) > limit:
             counts["truncated" if params.over_length == "truncate" else "skipped"] += 1
+            if len(ids) <= params.max_seq_len:
+                counts["engine_limited"] += 1
             if params.over_length == "skip":
                 continue
-            ids, mask = ids[: params.max_seq_len], mask[: params.max_seq_len]
+            ids, mask = ids[:limit], mask[:limit]
         samples.append(Sample(sample_id, ids.astype(np.int32), mask))
     return samples, counts
 
@@ -84,9 +91,11 @@ def length_batches(samples: list[Sample], max_tokens: int) -> list[list[Sample]]
     return batches
 
 
-def fingerprint(record: dict, aux_ids: list[int], params: ExtractParams, inputs: list[Path]) -> str:
+def fingerprint(record: dict, aux_ids: list[int], params: ExtractParams, inputs: list[Path],
+                extra: dict | None = None) -> str:
     key = {"weights": record["weights_hash"], "aux": aux_ids, "responses": sha256_files(inputs),
-           "max_seq_len": params.max_seq_len, "over_length": params.over_length, "level": params.zstd_level}
+           "max_seq_len": params.max_seq_len, "over_length": params.over_length, "level": params.zstd_level,
+           **(extra or {})}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
 
 

@@ -27,7 +27,7 @@ class CalibrationError(ValueError):
 
 @dataclass(frozen=True)
 class Measurement:
-    stage: str  # generate | extract | train
+    stage: str  # generate | extract (the HF path) | extract-vllm (through the serving engine) | train
     source: str
     hardware: Hardware
     target: str
@@ -147,8 +147,10 @@ def extract_measurement(m: dict, path: Path, hw: Hardware, target: Target, weigh
                           f"`dvc repro -f extract` measures it")
         return
     seq = key(m, "tokens", path) / key(m, "items", path)
-    cal.measurements.append(Measurement("extract", str(path), hw, target.name,
-                                        model.extraction_roofline_s(target, hw, new, seq, weights),
+    engine = m.get("engine", "hf")  # runs before extract.engine existed took the HF path
+    roofline = (model.engine_extraction_roofline_s if engine == "vllm" else model.extraction_roofline_s)
+    cal.measurements.append(Measurement("extract-vllm" if engine == "vllm" else "extract", str(path), hw, target.name,
+                                        roofline(target, hw, new, seq, weights),
                                         new / key(m, "new_tokens_per_s", path)))
 
 
@@ -177,6 +179,17 @@ def from_benchmark(path: Path, record: dict[str, Any], cal: Calibration, root: P
             model.extraction_roofline_s(target, hw, tokens, key(record, "seq", path), "bf16"),
             tokens / key(record, "ours_tokens_per_s", path)))
         cal.stored_over_raw.append((key(record, "ours_stored_over_raw", path), str(path)))
+    elif "engine_tokens_per_s" in record:  # benchmarks/extract_engines.py: both paths on one store
+        g = key(record, "geometry", path)
+        target = match_target(g["hidden_size"], g["vocab_size"], g["num_layers"], str(path), root)
+        hw = match_hardware(key(record, "machine", path), str(path), root)
+        tokens, seq = key(record, "tokens", path), key(record, "mean_seq", path)
+        weights = DTYPE_WEIGHTS[key(record, "dtype", path)]
+        for stage, roofline, rate in (("extract", model.extraction_roofline_s, "hf_tokens_per_s"),
+                                      ("extract-vllm", model.engine_extraction_roofline_s, "engine_tokens_per_s")):
+            cal.measurements.append(Measurement(stage, str(path), hw, target.name,
+                                                roofline(target, hw, tokens, seq, weights),
+                                                tokens / key(record, rate, path)))
     elif "model_gflops_per_step" in record:  # benchmarks/train_bench.py
         g = key(record, "geometry", path)
         target = match_target(g["hidden"], g["vocab"], None, str(path), root)

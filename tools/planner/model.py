@@ -30,6 +30,7 @@ class Workload:
     weights: str = "bf16"  # weight format served (a key of the target's weight_bytes_per_param)
     tokens_per_device_step: int = 16384  # training tokens per GPU per optimizer step
     link_gbit_s: float = 10.0  # network of the rented box: target weights in, hidden store out
+    extract_engine: str = "vllm"  # vllm: the serving engine extracts, every GPU busy; hf: transformers
 
     @property
     def seq_len(self) -> float:
@@ -109,6 +110,25 @@ def extraction_roofline_s(target: Target, hw: Hardware, tokens: float, seq: floa
     GPU computes at a time."""
     replicas = hw.devices if devices_per_replica(target, hw, weights) == 1 else 1
     return tokens * forward_flops_per_token(target, seq) / (replicas * hw.matmul_tflops * 1e12)
+
+
+def engine_layout(target: Target, hw: Hardware, weights: str) -> tuple[int, int]:
+    """(GPUs per engine replica, replicas) of extraction through the serving engine: each replica is a
+    TP/EP group just large enough to hold the weights (the smallest divisor of the GPU count that does),
+    and the GPUs left over run more replicas (DP), so every GPU computes."""
+    need = devices_per_replica(target, hw, weights)
+    group = next(d for d in range(need, hw.devices + 1) if hw.devices % d == 0)
+    return group, hw.devices // group
+
+
+def engine_extraction_roofline_s(target: Target, hw: Hardware, tokens: float, seq: float, weights: str) -> float:
+    """Prefill compute over every token with all GPUs busy (extract.engine: vllm), plus each replica's
+    tensor-parallel all-reduces: 2 per layer of its tokens x hidden in bf16 (as decode_step_s counts them)."""
+    group, replicas = engine_layout(target, hw, weights)
+    compute_s = tokens * forward_flops_per_token(target, seq) / (hw.devices * hw.matmul_tflops * 1e12)
+    comm_s = 2 * target.layers * ring_allreduce_s(tokens / replicas * target.hidden_size * BF16, group,
+                                                  hw.link_gb_s * 1e9)
+    return compute_s + comm_s
 
 
 def raw_bytes_per_token(target: Target) -> float:

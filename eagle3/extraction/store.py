@@ -1,0 +1,71 @@
+"""What every extraction path shares around its forward passes: which samples are left to store
+(resume from the last complete shard), and the finished store (merged index, manifest, the move of
+run/extract/<fingerprint>/ to artifacts/hidden). The HF path (hf.py) and the engine path (engine.py)
+differ only in how they get the states.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eagle3.extraction.params import OVER_LENGTH, ExtractError, ExtractParams
+from eagle3.extraction.samples import LAYER_ID_CONVENTION, Sample, fingerprint, load_samples, resolve_aux_ids
+from eagle3.store.codec import ArraySpec
+from eagle3.store.layout import completed_sample_ids, merge_index, rank_todo, write_manifest
+
+
+@dataclass
+class Work:
+    """One rank's share of an extraction: where it lands and what is left to do."""
+
+    dir: Path
+    aux_ids: list[int]
+    samples: list[Sample]  # every sample of the store
+    share: list[Sample]  # this rank's
+    todo: list[Sample]  # this rank's, not yet stored
+    counts: dict[str, int]  # truncated / skipped / dataset answers
+
+
+def plan_work(params: ExtractParams, record: dict, tokenizer: Any, responses: Path, answered: Path | None,
+              work_root: Path, rank: int = 0, world: int = 1, max_len: int | None = None,
+              extra_key: dict | None = None) -> Work:
+    """`max_len`: an engine's own limit below extract.max_seq_len (the over_length rule applies to it
+    too). `extra_key` joins the fingerprint: states from another engine never resume into this store."""
+    if params.over_length not in OVER_LENGTH:
+        raise ExtractError(f"extract.over_length={params.over_length!r}: expected one of {', '.join(OVER_LENGTH)}")
+    aux_ids = resolve_aux_ids(params, record)
+    samples, counts = load_samples(responses, answered, tokenizer, record["vocab_size"], params, max_len)
+    if not samples:
+        raise ExtractError(f"{responses}: no sample to store ({counts['skipped']} skipped as longer than "
+                           f"extract.max_seq_len={params.max_seq_len})")
+    inputs = [responses] + ([answered] if answered else [])
+    work = work_root / fingerprint(record, aux_ids, params, inputs, extra_key)
+    ids = [s.id for s in samples]
+    by_id = {s.id: s for s in samples}
+    share = [by_id[i] for i in rank_todo(ids, set(), rank, world)]
+    todo = [by_id[i] for i in rank_todo(ids, completed_sample_ids(work), rank, world)]
+    return Work(work, aux_ids, samples, share, todo, counts)
+
+
+def finish_store(work: Work, out: Path, record: dict, params: ExtractParams, extra: dict | None = None) -> dict:
+    """Merges the ranks' index parts, writes the manifest and moves the store to `out` (rank 0 only)."""
+    totals = merge_index(work.dir)
+    hidden = record["hidden_size"]
+    arrays = {"input_ids": ArraySpec("int32", ()), "loss_mask": ArraySpec("uint8", ()),
+              "aux": ArraySpec("bfloat16", (len(work.aux_ids) * hidden,)), "last": ArraySpec("bfloat16", (hidden,))}
+    write_manifest(work.dir, model_hash=record["weights_hash"], aux_layer_ids=work.aux_ids,
+                   layer_id_convention=LAYER_ID_CONVENTION, last_state="pre_norm", arrays=arrays,
+                   level=params.zstd_level, totals=totals,
+                   extra={"num_layers": record["num_layers"], "hidden_size": hidden,
+                          "max_seq_len": params.max_seq_len, **work.counts, **(extra or {})})
+    if out.exists():
+        shutil.rmtree(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(work.dir, out)
+    return {"samples": totals.samples, "tokens": totals.tokens, "loss_tokens": totals.loss_tokens,
+            "raw_bytes": totals.raw_bytes, "stored_bytes": totals.stored_bytes, "shards": totals.shards,
+            "bytes_per_token": round(totals.stored_bytes / max(totals.tokens, 1), 1),
+            "stored_over_raw": round(totals.stored_over_raw, 4)}
