@@ -77,53 +77,13 @@ class LoadedDrafter:
 
 
 def config_to_json(config: DrafterConfig, dtype: torch.dtype) -> dict[str, Any]:
-    if config.mla is not None:
-        return _mla_config_to_json(config, config.mla, dtype)
+    """The drafter's config.json in the layout vLLM's loader reads: the fields both drafters share, then
+    the Llama layer's attention sizes or the MLA layer's latent ones."""
     out: dict[str, Any] = {
-        "architectures": [ARCHITECTURE],
-        "model_type": "llama",
         "num_hidden_layers": 1,
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
         "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
-        "max_position_embeddings": config.max_position_embeddings,
-        "vocab_size": config.vocab_size,
-        "draft_vocab_size": config.draft_vocab_size,
-        "target_hidden_size": config.target_hidden_size,
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-        "eagle_config": {
-            "eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids),
-            "use_aux_hidden_state": True,
-        },
-    }
-    if config.rope_scaling is not None:
-        out["rope_scaling"] = config.rope_scaling
-    return out
-
-
-def _mla_config_to_json(config: DrafterConfig, mla: MLAConfig, dtype: torch.dtype) -> dict[str, Any]:
-    # No head_dim: DeepSeek configs mean qk_rope_head_dim by it, vLLM sizes MLA from the fields below.
-    out: dict[str, Any] = {
-        "architectures": [MLA_ARCHITECTURE],
-        "model_type": MLA_MODEL_TYPE,
-        "num_hidden_layers": 1,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_attention_heads,
-        "q_lora_rank": mla.q_lora_rank,
-        "kv_lora_rank": mla.kv_lora_rank,
-        "qk_nope_head_dim": mla.qk_nope_head_dim,
-        "qk_rope_head_dim": mla.qk_rope_head_dim,
-        "v_head_dim": mla.v_head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": config.rms_norm_eps,
         "rope_theta": config.rope_theta,
@@ -139,6 +99,17 @@ def _mla_config_to_json(config: DrafterConfig, mla: MLAConfig, dtype: torch.dtyp
             "use_aux_hidden_state": True,
         },
     }
+    if config.mla is None:
+        out.update({"architectures": [ARCHITECTURE], "model_type": "llama",
+                    "num_key_value_heads": config.num_key_value_heads, "head_dim": config.head_dim,
+                    "mlp_bias": False})
+    else:
+        # No head_dim: DeepSeek configs mean qk_rope_head_dim by it, vLLM sizes MLA from the fields below.
+        mla = config.mla
+        out.update({"architectures": [MLA_ARCHITECTURE], "model_type": MLA_MODEL_TYPE,
+                    "num_key_value_heads": config.num_attention_heads, "q_lora_rank": mla.q_lora_rank,
+                    "kv_lora_rank": mla.kv_lora_rank, "qk_nope_head_dim": mla.qk_nope_head_dim,
+                    "qk_rope_head_dim": mla.qk_rope_head_dim, "v_head_dim": mla.v_head_dim})
     if config.rope_scaling is not None:
         out["rope_scaling"] = config.rope_scaling
     return out
