@@ -26,6 +26,7 @@ from tools.planner.profiles import (
 ROOT = Path(__file__).resolve().parent.parent
 PROFILES = ROOT / "tools" / "planner"
 RESULTS = ROOT / "benchmarks" / "results"
+EMBEDDED_RUN = RESULTS / "embedded-run-cpu" / "metrics"  # a whole embedded run on an idle machine (2026-12-02 07:56)
 # Predictions calibrated on the 2-core CPU run must land within this factor of the H200 benchmarks
 # (docs/planning.md).
 CPU_TO_H200_FACTOR = 4.0
@@ -196,9 +197,10 @@ def test_benchmarks_calibrate_with_efficiency_roofline_over_measured():
 
 
 def embedded_run(tmp_path: Path) -> Path:
-    """The embedded run's metrics and params, as committed."""
-    shutil.copytree(ROOT / "metrics", tmp_path / "metrics")
-    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    """A whole embedded run's metrics (the 2026-12-02 07:56 run, every stage run in full on an idle machine:
+    the working tree's metrics/ may come from a resumed or shared-machine run) and its params."""
+    shutil.copytree(EMBEDDED_RUN, tmp_path / "metrics")
+    shutil.copy(EMBEDDED_RUN.parent / "params.yaml", tmp_path / "params.yaml")
     return tmp_path / "metrics"
 
 
@@ -247,9 +249,9 @@ def assert_within_factor(ratios: dict[str, float]) -> None:
 
 
 def test_cpu_run_predicts_h200_benchmarks_within_stated_factor():
-    """On the committed metrics/ of the embedded run, once they hold an extraction and a training measurement."""
+    """On a whole embedded run measured on an idle machine (a run on shared cores calibrates nothing)."""
     try:
-        ratios = cpu_predicts_h200(ROOT / "metrics")
+        ratios = cpu_predicts_h200(EMBEDDED_RUN)
     except CalibrationError as err:
         pytest.skip(f"metrics/ cannot calibrate this yet: {err}")
     assert_within_factor(ratios)
@@ -261,7 +263,7 @@ def test_cpu_run_predicts_h200_benchmarks_within_stated_factor():
 def test_plan_prints_one_screen_and_a_plot(tmp_path, capsys):
     png = tmp_path / "plan.png"
     plan.main(["--hw", "b300-nvl8", "--target", "kimi-k2.5", "--samples", "10000", "--profiles", str(PROFILES),
-               "--measured", str(ROOT / "metrics"), str(RESULTS), "--plot", str(png)])
+               "--measured", str(EMBEDDED_RUN), str(RESULTS), "--plot", str(png)])
     out = capsys.readouterr().out
     for word in ("generate", "extract", "train", "transfer", "total", "hidden store", "cost", "$"):
         assert word in out
@@ -280,7 +282,7 @@ def test_kimi_on_b300_plans_both_extraction_paths_calibrated_by_the_cpu_engine_r
     roofline_s = model.engine_extraction_roofline_s(smollm, cpu, bench["tokens"], bench["mean_seq"], "bf16")
     efficiency = roofline_s / (bench["tokens"] / bench["engine_tokens_per_s"])
     work = model.Workload(samples=10000, prompt_tokens=500, completion_tokens=2000, weights="int4")
-    result = plan.project(kimi, b300, work, calibrate([ROOT / "metrics", RESULTS], PROFILES))
+    result = plan.project(kimi, b300, work, calibrate([EMBEDDED_RUN, RESULTS], PROFILES))
     (engine,) = [s for s in result.stages if s.stage == "extract"]
     (hf_path,) = result.alternatives
     assert engine.note.startswith("vllm: 2 replica(s) x TP/EP 4") and "extract-engines-cpu.json" in engine.note
@@ -295,7 +297,7 @@ def test_kimi_on_b300_plans_both_extraction_paths_calibrated_by_the_cpu_engine_r
 
 def test_plan_compare_gives_speedups_and_bottlenecks(tmp_path, capsys):
     plan.main(["--hw", "b300-nvl8", "--compare", "rtx-pro-6000-8", "--target", "kimi-k2.5", "--samples", "10000",
-               "--profiles", str(PROFILES), "--measured", str(ROOT / "metrics"), str(RESULTS),
+               "--profiles", str(PROFILES), "--measured", str(EMBEDDED_RUN), str(RESULTS),
                "--plot", str(tmp_path / "p.png")])
     out = capsys.readouterr().out
     assert "speedup" in out and "bottleneck:" in out and out.count("x\n") >= 5
@@ -304,6 +306,6 @@ def test_plan_compare_gives_speedups_and_bottlenecks(tmp_path, capsys):
 def test_plan_refuses_a_target_that_does_not_fit(tmp_path):
     with pytest.raises(SystemExit, match="does not fit in h200-1"):
         plan.main(["--hw", "h200-1", "--target", "kimi-k2.5", "--samples", "10", "--profiles", str(PROFILES),
-                   "--measured", str(ROOT / "metrics"), str(RESULTS), "--plot", str(tmp_path / "p.png")])
+                   "--measured", str(EMBEDDED_RUN), str(RESULTS), "--plot", str(tmp_path / "p.png")])
     with pytest.raises(SystemExit, match="available: .*h200-8"):
         plan.main(["--hw", "h100", "--target", "kimi-k2.5", "--samples", "10", "--profiles", str(PROFILES)])

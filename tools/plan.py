@@ -198,8 +198,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the extraction path counted in the total (the other one is shown beside it)")
     p.add_argument("--tokens-per-gpu-step", type=int, default=16384, help="training tokens per GPU per step")
     p.add_argument("--link-gbit", type=float, default=10.0, help="network of the rented box, Gbit/s")
-    p.add_argument("--measured", type=Path, nargs="+", default=[Path("metrics"), Path("benchmarks/results")],
-                   help="metrics dirs and benchmark files/dirs to calibrate on, preferred in this order")
+    # Not metrics/ by default: whatever ran last in the working tree (a resumed stage, a run on shared cores)
+    # would calibrate the plan; benchmarks/results/embedded-run-cpu is a whole run on an idle machine.
+    p.add_argument("--measured", type=Path, nargs="+",
+                   default=[Path("benchmarks/results/embedded-run-cpu/metrics"), Path("benchmarks/results")],
+                   help="metrics dirs and benchmark files/dirs to calibrate on, preferred in this order "
+                        "(add metrics to calibrate on your own last run)")
     p.add_argument("--profiles", type=Path, default=PLANNER_DIR)
     p.add_argument("--plot", type=Path, help="PNG of the stage hours (default run/plan/<target>-<hw>.png)")
     return p.parse_args(argv)
