@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any, TypeVar
@@ -74,3 +75,12 @@ def built_repo(tmp_path_factory) -> Path:
     sh(["git", "add", "-A"], work, env)
     sh(["git", "commit", "-qm", "target and prompts built"], work, env)
     return work
+
+
+def run_vllm_check(script: str, tmp_path: Path) -> str:
+    """Run `script`'s __main__ on tmp_path in a subprocess (vLLM initialises process-wide distributed
+    state); fail with its output unless it exits 0; return its stdout."""
+    run = subprocess.run([sys.executable, script, str(tmp_path)], capture_output=True, text=True, timeout=300,
+                         env=os.environ | {"PYTHONPATH": str(REPO)})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run.stdout

@@ -1,6 +1,4 @@
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,8 +11,8 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from eagle3.model.checkpoint import load_drafter, save_drafter, validate
 from eagle3.model.drafter import Drafter, DrafterConfig, TTTCache, rotate
+from tests.conftest import run_vllm_check
 
-ROOT = Path(__file__).resolve().parents[1]
 TARGET_LAYERS = 6
 B, T, K = 2, 10, 3
 
@@ -241,16 +239,7 @@ def test_vllm_loads_the_checkpoint_and_computes_the_same_step(tmp_path):
     """vLLM's own Eagle3LlamaForCausalLM loads what save_drafter writes and, with plain causal
     attention in place of its paged backend, gives the same step-0 state and draft logits."""
     pytest.importorskip("vllm")
-    # A subprocess: vLLM initialises process-wide distributed state.
-    run = subprocess.run(
-        [sys.executable, __file__, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=os.environ | {"PYTHONPATH": str(ROOT)},
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "vllm-match" in run.stdout
+    assert "vllm-match" in run_vllm_check(__file__, tmp_path)
 
 
 def _vllm_step0(tmp: Path) -> None:

