@@ -4,12 +4,23 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from eagle3.engine.server import ServeParams
+from eagle3.evaluation.params import EvaluateParams
 from eagle3.metrics import gpus
 from eagle3.params import read_params
 from tests.conftest import REPO, shipped
-from tools.sglang_bench import BenchParams, acceptance, importable, main, missing_requirements, sglang_command
+from tools import sglang_bench
+from tools.sglang_bench import (
+    BenchParams,
+    acceptance,
+    by_temperature,
+    importable,
+    main,
+    missing_requirements,
+    sglang_command,
+)
 
 
 def test_missing_gpu_and_sglang_are_both_named():
@@ -32,8 +43,7 @@ def test_main_exits_2_saying_what_is_missing_here(capsys):
 def test_command_drafts_a_chain_of_k_tokens_from_the_export():
     serve = shipped("serve", ServeParams, max_model_len=4096, tensor_parallel_size=2)
     record = {"model_path": "artifacts/target", "revision": None}
-    params = BenchParams.from_evaluate(read_params(REPO / "params.yaml")["evaluate"], port=8021)
-    params.num_speculative_tokens = 3
+    params = BenchParams(shipped("evaluate", EvaluateParams, num_speculative_tokens=3), port=8021)
     cmd = sglang_command("/env/bin/python", serve, record, params, Path("artifacts/drafter-sglang"))
     assert cmd[:3] == ["/env/bin/python", "-m", "sglang.launch_server"]
     flags = dict(zip(cmd[3::2], cmd[4::2]))
@@ -65,8 +75,23 @@ def test_no_verify_steps_means_the_drafter_did_not_run():
         acceptance([{"completion_tokens": 20}], k=3)
 
 
-def test_params_follow_the_vllm_evaluation():
-    evaluate = read_params(REPO / "params.yaml")["evaluate"] | {"num_speculative_tokens": 5, "temperature": 0.7,
-                                                                 "turns": 1, "port": 8010}
-    params = BenchParams.from_evaluate(evaluate, port=8030)
-    assert (params.num_speculative_tokens, params.temperature, params.turns, params.port) == (5, 0.7, 1, 8030)
+def test_acceptance_per_temperature_is_the_mean_over_sets_like_the_vllm_evaluation():
+    # (tokens - requests) / verifies: MT-bench 4/3, HumanEval 2/2. The pooled 6/5 weighs the sets by size.
+    metas = [{"completion_tokens": 5, "spec_verify_ct": 3, "set": "mtbench"},
+             {"completion_tokens": 3, "spec_verify_ct": 2, "set": "humaneval"}]
+    result = by_temperature({0.0: metas, 0.7: metas[:1]}, k=3)
+    assert result["T=0.0"]["acceptance_length"] == pytest.approx((4 / 3 + 1) / 2, abs=1e-4)
+    assert result["T=0.0"]["pooled"]["acceptance_length"] == pytest.approx(6 / 5)
+    assert set(result["T=0.0"]["sets"]) == {"mtbench", "humaneval"}
+    assert result["T=0.7"]["acceptance_length"] == pytest.approx(4 / 3, abs=1e-4)
+
+
+def test_main_refuses_an_incomplete_evaluate_section_naming_the_key(tmp_path, monkeypatch, capsys):
+    # Past the machine check (a GPU and sglang are assumed here), the params come first.
+    params = read_params(REPO / "params.yaml")
+    del params["evaluate"]["temperatures"]
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sglang_bench, "missing_requirements", lambda *args: [])
+    assert main([]) == 1
+    assert "evaluate.temperatures: missing key" in capsys.readouterr().err

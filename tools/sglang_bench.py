@@ -8,7 +8,8 @@ is missing. sglang pins its own torch, so it usually lives in its own virtual en
 names that interpreter, this process only sends requests. Steps: export the drafter (eagle3/model/sglang.py,
 validated), `python -m sglang.launch_server` on 127.0.0.1 with a chain of k drafted tokens
 (--speculative-eagle-topk 1, --speculative-num-draft-tokens k+1, what vLLM's num_speculative_tokens=k
-drafts), the MT-bench eval prompts with the settings of params.yaml `evaluate` (so both engines' numbers
+drafts), the evaluation's questions (evaluate.sets, drawn as the evaluate stage draws them) at each of
+evaluate.temperatures with the other settings of params.yaml `evaluate` (so both engines' numbers
 compare), then the target alone for the throughput baseline. Writes metrics/sglang_bench.json.
 
 Acceptance comes from each response's meta_info on /generate (sglang 0.5.23,
@@ -31,14 +32,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pyarrow.parquet as pq
 
 from eagle3.engine import server
 from eagle3.engine.state import ServerError, ServerState
-from eagle3.evaluation.questions import conversation, timed_first_turns
+from eagle3.evaluation.params import EvaluateError, EvaluateParams
+from eagle3.evaluation.questions import conversation, questions, timed_first_turns
 from eagle3.metrics import gpus, write_metrics
 from eagle3.model.sglang import DRAFTER_DIR, OUT_DIR, TARGET_DIR, ExportError, export
-from eagle3.params import load_section, read_params
+from eagle3.params import ParamsError, load_section
 from eagle3.target.chat import render
 from eagle3.target.record import load_record
 
@@ -52,24 +53,14 @@ class BenchError(RuntimeError):
 
 @dataclass
 class BenchParams:
-    """The knobs shared with the vLLM evaluation (read from params.yaml `evaluate`) plus SGLang's own."""
-    num_speculative_tokens: int
-    temperature: float
-    max_new_tokens: int
-    num_questions: int
-    turns: int
-    concurrency: int
-    throughput_prompts: int
-    measure_baseline: bool
+    """The vLLM evaluation's settings (params.yaml `evaluate`: questions, k, temperatures, turns,
+    concurrency) plus SGLang's own."""
+    evaluate: EvaluateParams
     port: int = 8020
     # SGLang's CUDA attention back ends are built for 16-bit inputs: a float32 target is served in
     # bf16 here, so its acceptance can differ a little from a float32 vLLM run.
     dtype: str = "bfloat16"
-
-    @classmethod
-    def from_evaluate(cls, section: dict[str, Any], **overrides: Any) -> BenchParams:
-        shared = {f.name for f in dataclasses.fields(cls)} - {"port", "dtype"}
-        return cls(**{key: value for key, value in section.items() if key in shared}, **overrides)
+    measure_baseline: bool = True
 
 
 def missing_requirements(sglang_importable: bool, gpu_names: list[str], python: str) -> list[str]:
@@ -102,7 +93,7 @@ def sglang_command(python: str, serve: server.ServeParams, record: dict[str, Any
         cmd += ["--revision", record["revision"]]
     if drafter is None:
         return cmd
-    k = params.num_speculative_tokens
+    k = params.evaluate.num_speculative_tokens
     return cmd + ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(drafter.resolve()),
                   "--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
                   "--speculative-num-draft-tokens", str(k + 1)]
@@ -130,15 +121,15 @@ def acceptance(metas: list[dict[str, Any]], k: int) -> dict[str, Any]:
     return result
 
 
-async def generate(client: httpx.AsyncClient, url: str, input_ids: list[int], params: BenchParams) -> dict[str, Any]:
+async def generate(client: httpx.AsyncClient, url: str, input_ids: list[int], temperature: float,
+                   max_new_tokens: int) -> dict[str, Any]:
     response = await client.post(f"{url}/generate", timeout=1800, json={
-        "input_ids": input_ids,
-        "sampling_params": {"temperature": params.temperature, "max_new_tokens": params.max_new_tokens}})
+        "input_ids": input_ids, "sampling_params": {"temperature": temperature, "max_new_tokens": max_new_tokens}})
     response.raise_for_status()
     return response.json()
 
 
-async def answer_all(url: str, tokenizer: Any, items: list[dict], params: BenchParams,
+async def answer_all(url: str, tokenizer: Any, items: list[dict], evaluate: EvaluateParams, temperature: float,
                      concurrency: int) -> list[dict[str, Any]]:
     """Every question's turns (later turns continue the engine's own answers); each response's meta_info."""
     limit, metas = asyncio.Semaphore(concurrency), []
@@ -148,24 +139,25 @@ async def answer_all(url: str, tokenizer: Any, items: list[dict], params: BenchP
             for _ in item["turns"]:
                 ids = render(tokenizer, conversation(item["turns"], answers), True)
                 async with limit:
-                    body = await generate(client, url, ids, params)
+                    body = await generate(client, url, ids, temperature, evaluate.max_new_tokens)
                 answers.append(body["text"])
-                metas.append(body["meta_info"])
+                metas.append({**body["meta_info"], "set": item["set"]})
         await asyncio.gather(*(one(item) for item in items))
     return metas
 
 
-def tokens_per_s(url: str, tokenizer: Any, items: list[dict], params: BenchParams, concurrency: int) -> float:
-    first_turns = timed_first_turns(items, params.throughput_prompts, concurrency)
+def tokens_per_s(url: str, tokenizer: Any, items: list[dict], evaluate: EvaluateParams, concurrency: int) -> float:
+    # Timed at the first temperature, as the vLLM evaluation times its throughput.
+    first_turns = timed_first_turns(items, evaluate.throughput_prompts, concurrency)
     start = time.monotonic()
-    metas = asyncio.run(answer_all(url, tokenizer, first_turns, params, concurrency))
+    metas = asyncio.run(answer_all(url, tokenizer, first_turns, evaluate, evaluate.temperatures[0], concurrency))
     return round(sum(m["completion_tokens"] for m in metas) / (time.monotonic() - start), 2)
 
 
-def throughput(url: str, tokenizer: Any, items: list[dict], params: BenchParams) -> dict[str, float]:
-    return {"batch1_tokens_per_s": tokens_per_s(url, tokenizer, items, params, 1),
-            f"concurrency{params.concurrency}_tokens_per_s": tokens_per_s(url, tokenizer, items, params,
-                                                                           params.concurrency)}
+def throughput(url: str, tokenizer: Any, items: list[dict], evaluate: EvaluateParams) -> dict[str, float]:
+    return {"batch1_tokens_per_s": tokens_per_s(url, tokenizer, items, evaluate, 1),
+            f"concurrency{evaluate.concurrency}_tokens_per_s": tokens_per_s(url, tokenizer, items, evaluate,
+                                                                             evaluate.concurrency)}
 
 
 def serve(command: list[str], serve_params: server.ServeParams, record: dict[str, Any],
@@ -175,9 +167,17 @@ def serve(command: list[str], serve_params: server.ServeParams, record: dict[str
     return server.start(params, record, state_dir=STATE_DIR, command=command)
 
 
-def questions(params: BenchParams) -> list[dict[str, Any]]:
-    items = pq.read_table(EVAL_PROMPTS).to_pylist()[: params.num_questions]
-    return [{**item, "turns": item["turns"][: params.turns]} for item in items]
+def by_temperature(metas_at: dict[float, list[dict[str, Any]]], k: int) -> dict[str, Any]:
+    """Acceptance at each temperature, per set, and its headline: the mean over sets, as the vLLM
+    evaluation's (each set counts once)."""
+    result = {}
+    for temperature, metas in metas_at.items():
+        sets = {name: acceptance([m for m in metas if m["set"] == name], k)
+                for name in dict.fromkeys(m["set"] for m in metas)}
+        result[f"T={temperature}"] = {
+            "acceptance_length": round(sum(s["acceptance_length"] for s in sets.values()) / len(sets), 4),
+            "pooled": acceptance(metas, k), "sets": sets}
+    return result
 
 
 def run(python: str, drafter: Path, params: BenchParams) -> dict[str, Any]:
@@ -186,20 +186,24 @@ def run(python: str, drafter: Path, params: BenchParams) -> dict[str, Any]:
     exported = export(drafter, OUT_DIR, TARGET_DIR)
     record, serve_params = load_record(TARGET_DIR), load_section("serve", server.ServeParams)
     tokenizer = AutoTokenizer.from_pretrained(TARGET_DIR)
-    items = questions(params)
+    evaluate = params.evaluate
+    items = questions(evaluate, EVAL_PROMPTS)
     state = serve(sglang_command(python, serve_params, record, params, OUT_DIR), serve_params, record, params.port)
     try:
-        metas = asyncio.run(answer_all(state.url, tokenizer, items, params, params.concurrency))
-        result = acceptance(metas, params.num_speculative_tokens)
-        result["throughput_with_drafter"] = throughput(state.url, tokenizer, items, params)
+        metas_at = {t: asyncio.run(answer_all(state.url, tokenizer, items, evaluate, t, evaluate.answer_concurrency))
+                    for t in evaluate.temperatures}
+        result: dict[str, Any] = {"acceptance": by_temperature(metas_at, evaluate.num_speculative_tokens)}
+        result["throughput_with_drafter"] = throughput(state.url, tokenizer, items, evaluate)
     finally:
         server.stop(STATE_DIR)
     if params.measure_baseline:
         state = serve(sglang_command(python, serve_params, record, params, None), serve_params, record, params.port)
         try:
-            result["throughput_without_drafter"] = throughput(state.url, tokenizer, items, params)
+            result["throughput_without_drafter"] = throughput(state.url, tokenizer, items, evaluate)
         finally:
             server.stop(STATE_DIR)
+    result["requests"] = sum(len(metas) for metas in metas_at.values())
+    result["generated_tokens"] = sum(m["completion_tokens"] for metas in metas_at.values() for m in metas)
     result["sglang_aux_layer_ids"] = exported["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     result["questions"] = len(items)
     return result
@@ -217,22 +221,26 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print("sglang-bench: cannot run on this machine:\n" + "\n".join(f"  - {m}" for m in missing), file=sys.stderr)
         return 2
-    params = BenchParams.from_evaluate(read_params().get("evaluate") or {}, port=args.port, dtype=args.dtype)
-    if args.no_baseline:
-        params.measure_baseline = False
+    try:
+        evaluate = load_section("evaluate", EvaluateParams)
+    except ParamsError as err:
+        print(f"sglang-bench: {err}", file=sys.stderr)
+        return 1
+    params = BenchParams(evaluate, port=args.port, dtype=args.dtype,
+                         measure_baseline=evaluate.measure_baseline and not args.no_baseline)
     start = time.monotonic()
     try:
         result = run(args.python, args.drafter, params)
-    except (BenchError, ExportError, ServerError) as err:
+    except (BenchError, EvaluateError, ExportError, ServerError) as err:
         print(f"sglang-bench: {err}", file=sys.stderr)
         return 1
     write_metrics("sglang_bench", time.monotonic() - start, items=result["requests"],
-                  tokens=result["generated_tokens"], num_draft_tokens=params.num_speculative_tokens,
-                  temperature=params.temperature, **result)
-    print(f"sglang-bench: acceptance length {result['acceptance_length']:.3f} at k={params.num_speculative_tokens}, "
-          f"T={params.temperature} on {result['questions']} questions ({result['requests']} answers); per position "
-          f"{result['per_position']}; tok/s with drafter {result['throughput_with_drafter']}, without "
-          f"{result.get('throughput_without_drafter')}; metrics/sglang_bench.json")
+                  tokens=result["generated_tokens"], num_draft_tokens=evaluate.num_speculative_tokens, **result)
+    lengths = ", ".join(f"{t} {a['acceptance_length']:.3f}" for t, a in result["acceptance"].items())
+    print(f"sglang-bench: acceptance length (mean over sets) {lengths} at k={evaluate.num_speculative_tokens} on "
+          f"{result['questions']} questions ({result['requests']} answers); tok/s with drafter "
+          f"{result['throughput_with_drafter']}, without {result.get('throughput_without_drafter')}; "
+          "metrics/sglang_bench.json")
     return 0
 
 
