@@ -54,7 +54,8 @@ from benchmarks.ranks import (  # noqa: E402
     thread_cpu_seconds,
     under_torchrun,
 )
-from eagle3.extraction.hf import distributed, forward_batch, pick_device, store_batch
+from eagle3.extraction.forward import forward_batch, store_batch
+from eagle3.extraction.hf import distributed, pick_device
 from eagle3.extraction.params import ExtractParams
 from eagle3.extraction.samples import Sample
 from eagle3.metrics import machine_info  # noqa: E402

@@ -7,7 +7,8 @@ decoder layer's output before the final norm. bf16, sharded, zstd on byte planes
 CRC per sample and a manifest. Resumes from the last complete shard after a crash; under torchrun
 each rank extracts every world-size-th sample. `extract.engine: vllm` has the serving engine compute
 the states (the `serve` section's parallel sizes; it starts and stops the server unless a capturing
-one is running), into the same store.
+one is running), into the same store. With `train.source: online` or `hybrid` the training run
+captures its own states: the store then holds only the token ids and loss masks it plans from.
 """
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ from eagle3.engine.server import ServeParams
 from eagle3.engine.state import require_accelerators_free
 from eagle3.extraction.engine import run_engine_extraction
 from eagle3.extraction.hf import ANSWERED, HIDDEN_DIR, RESPONSES, WORK_DIR, run_extraction
-from eagle3.extraction.params import ENGINES, ExtractError, ExtractParams
+from eagle3.extraction.params import ENGINES, TRAIN_SOURCES, ExtractError, ExtractParams
+from eagle3.extraction.store import plan_work, write_token_store
 from eagle3.metrics import write_metrics
-from eagle3.params import load_section
+from eagle3.params import load_section, read_params
 from eagle3.target.record import TARGET_DIR, load_record
 
 
@@ -33,7 +35,14 @@ def main() -> None:
         raise ExtractError(f"extract.engine={params.engine!r}: expected one of {', '.join(ENGINES)}")
     record = load_record(TARGET_DIR)
     tokenizer = AutoTokenizer.from_pretrained(TARGET_DIR)
-    if params.engine == "vllm":  # the server holds the accelerators, and is what computes
+    source = read_params().get("train", {}).get("source")
+    if source not in TRAIN_SOURCES:
+        raise ExtractError(f"params.yaml: train.source={source!r}: expected one of {', '.join(TRAIN_SOURCES)}")
+    if source != "store":  # the trainer's capture process computes the states
+        work = plan_work(params, record, tokenizer, RESPONSES, ANSWERED, WORK_DIR, extra_key={"states": False})
+        summary = {"new_tokens": sum(len(s.input_ids) for s in work.todo), "new_tokens_per_s": None, **work.counts,
+                   "aux_layer_ids": work.aux_ids, **write_token_store(work, HIDDEN_DIR, record, params)}
+    elif params.engine == "vllm":  # the server holds the accelerators, and is what computes
         summary = run_engine_extraction(params, load_section("serve", ServeParams), record, tokenizer,
                                         RESPONSES, HIDDEN_DIR, WORK_DIR, answered=ANSWERED)
     else:
@@ -47,7 +56,8 @@ def main() -> None:
           f"{summary['new_tokens_per_s']} tok/s), {summary['raw_bytes'] / 1e6:.1f} MB raw -> "
           f"{summary['stored_bytes'] / 1e6:.1f} MB stored ({summary['stored_over_raw']:.3f}, "
           f"{summary['bytes_per_token']} B/token), {summary['truncated']} truncated, {summary['skipped']} skipped, "
-          f"{wall:.0f}s ({params.engine}) -> {HIDDEN_DIR}")
+          f"{wall:.0f}s ({params.engine if source == 'store' else 'token ids only, train.source: ' + source}) -> "
+          f"{HIDDEN_DIR}")
 
 
 if __name__ == "__main__":

@@ -159,3 +159,22 @@ def test_dataset_answers_from_another_tokenizer_or_missing_are_refused(embedded_
         run(embedded_target, tokenizer, responses, tmp_path, answered=answered)
     with pytest.raises(ExtractError, match="gone.parquet: not found; rerun the prompts stage"):
         run(embedded_target, tokenizer, responses, tmp_path, answered=tmp_path / "gone.parquet")
+
+
+def test_token_store_for_online_training_holds_the_full_stores_tokens_and_no_states(embedded_target, tokenizer,
+                                                                                    responses, tmp_path):
+    from eagle3.extraction.store import plan_work, write_token_store
+
+    _, full = run(embedded_target, tokenizer, responses, tmp_path / "full")
+    params = shipped("extract", ExtractParams, compress_threads=1)
+    work = plan_work(params, embedded_target[1], tokenizer, responses, None, tmp_path / "work",
+                     extra_key={"states": False})
+    summary = write_token_store(work, tmp_path / "tokens", embedded_target[1], params)
+    tokens = HiddenStore(tmp_path / "tokens")
+    assert tokens.manifest["states"] is False and set(tokens.manifest["arrays"]) == {"input_ids", "loss_mask"}
+    assert tokens.manifest["aux_layer_ids"] == full.manifest["aux_layer_ids"]
+    assert tokens.sample_ids == full.sample_ids and (tokens.num_tokens == full.num_tokens).all()
+    for row in range(len(tokens)):
+        got, want = tokens.read_row(row).arrays, full.read_row(row).arrays
+        assert all(np.array_equal(got[k], want[k]) for k in ("input_ids", "loss_mask"))
+    assert summary["bytes_per_token"] < 8 < full.manifest["stored_bytes"] / full.manifest["tokens"]

@@ -7,6 +7,8 @@ from eagle3.errors import PipelineError
 
 OVER_LENGTH = ("truncate", "skip")
 ENGINES = ("hf", "vllm")
+# train.source: where the trainer's states come from; all but "store" leave extract storing token ids only
+TRAIN_SOURCES = ("store", "online", "hybrid")
 
 
 class ExtractError(PipelineError, ValueError):

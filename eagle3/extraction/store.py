@@ -13,8 +13,8 @@ from typing import Any
 
 from eagle3.extraction.params import OVER_LENGTH, ExtractError, ExtractParams
 from eagle3.extraction.samples import LAYER_ID_CONVENTION, Sample, fingerprint, load_samples, resolve_aux_ids
-from eagle3.store.codec import ArraySpec
-from eagle3.store.layout import completed_sample_ids, merge_index, rank_todo, write_manifest
+from eagle3.store.layout import completed_sample_ids, merge_index, rank_todo, sample_arrays, write_manifest
+from eagle3.store.writer import ShardWriter
 
 
 @dataclass
@@ -50,16 +50,27 @@ def plan_work(params: ExtractParams, record: dict, tokenizer: Any, responses: Pa
     return Work(work, aux_ids, samples, share, todo, counts)
 
 
-def finish_store(work: Work, out: Path, record: dict, params: ExtractParams, extra: dict | None = None) -> dict:
-    """Merges the ranks' index parts, writes the manifest and moves the store to `out` (rank 0 only)."""
+def write_token_store(work: Work, out: Path, record: dict, params: ExtractParams) -> dict:
+    """The store without states: each sample's token ids and loss mask (4 bytes a token before zstd),
+    what an online or hybrid training run plans its batches from and its capture process reads."""
+    with ShardWriter(work.dir, level=params.zstd_level, shard_bytes=int(params.shard_mb * (1 << 20)),
+                     threads=params.compress_threads) as writer:
+        for sample in work.todo:
+            writer.put(sample.id, {"input_ids": sample.input_ids, "loss_mask": sample.loss_mask})
+    return finish_store(work, out, record, params, extra={"engine": None}, states=False)
+
+
+def finish_store(work: Work, out: Path, record: dict, params: ExtractParams, extra: dict | None = None,
+                 states: bool = True) -> dict:
+    """Merges the ranks' index parts, writes the manifest and moves the store to `out` (rank 0 only).
+    `states` false: a token store (write_token_store), its manifest saying so."""
     totals = merge_index(work.dir)
     hidden = record["hidden_size"]
-    arrays = {"input_ids": ArraySpec("int32", ()), "loss_mask": ArraySpec("uint8", ()),
-              "aux": ArraySpec("bfloat16", (len(work.aux_ids) * hidden,)), "last": ArraySpec("bfloat16", (hidden,))}
+    arrays = sample_arrays(len(work.aux_ids), hidden, states)
     write_manifest(work.dir, model_hash=record["weights_hash"], aux_layer_ids=work.aux_ids,
                    layer_id_convention=LAYER_ID_CONVENTION, last_state="pre_norm", arrays=arrays,
                    level=params.zstd_level, totals=totals,
-                   extra={"num_layers": record["num_layers"], "hidden_size": hidden,
+                   extra={"num_layers": record["num_layers"], "hidden_size": hidden, "states": states,
                           "max_seq_len": params.max_seq_len, **work.counts, **(extra or {})})
     if out.exists():
         shutil.rmtree(out)

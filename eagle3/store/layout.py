@@ -135,6 +135,14 @@ def _column_sum(table: pa.Table, name: str) -> int:
     return int(np.sum(table.column(name).to_numpy(), dtype=np.int64))
 
 
+def sample_arrays(num_aux: int, hidden: int, states: bool = True) -> dict[str, ArraySpec]:
+    """What a sample holds: its token ids and loss mask, and (`states`) the aux and last states."""
+    arrays = {"input_ids": ArraySpec("int32", ()), "loss_mask": ArraySpec("uint8", ())}
+    if states:
+        arrays |= {"aux": ArraySpec("bfloat16", (num_aux * hidden,)), "last": ArraySpec("bfloat16", (hidden,))}
+    return arrays
+
+
 def write_manifest(
     root: str | Path,
     *,

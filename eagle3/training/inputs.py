@@ -36,8 +36,10 @@ class Inputs:
     fingerprint: str
 
 
-def check_store(manifest: dict[str, Any], record: dict[str, Any], config: PretrainedConfig) -> tuple[list[int], bool]:
-    """(aux layer ids, whether `last` is pre-norm) of a store made from this target."""
+def check_store(manifest: dict[str, Any], record: dict[str, Any], config: PretrainedConfig,
+                source: str = "store") -> tuple[list[int], bool]:
+    """(aux layer ids, whether `last` is pre-norm) of a store made from this target. Online and
+    hybrid runs read only its token ids (a token store, or a full one whose states they ignore)."""
     if manifest.get("model_hash") != record["weights_hash"]:
         raise TrainError(
             f"the hidden-state store was extracted from {manifest.get('model_hash')}, the target is "
@@ -48,14 +50,18 @@ def check_store(manifest: dict[str, Any], record: dict[str, Any], config: Pretra
     aux_ids = list(manifest["aux_layer_ids"])
     ht = config.hidden_size
     arrays = manifest["arrays"]
-    for name, shape in (("input_ids", []), ("loss_mask", []), ("aux", [len(aux_ids) * ht]), ("last", [ht])):
+    if source == "store" and not manifest.get("states", True):
+        raise TrainError("artifacts/hidden holds token ids only (extracted for train.source: online or hybrid); "
+                         "with train.source: store rerun extract (dvc repro does, the param is its dependency)")
+    needed = (("input_ids", []), ("loss_mask", []), ("aux", [len(aux_ids) * ht]), ("last", [ht]))
+    for name, shape in needed if source == "store" else needed[:2]:
         got = arrays.get(name, {}).get("per_token_shape")
         if got != shape:
             raise TrainError(
                 f"store array {name!r}: per-token shape {got}, expected {shape} "
                 f"({len(aux_ids)} aux layers x target hidden size {ht})"
             )
-    for name in ("aux", "last"):
+    for name in ("aux", "last") if source == "store" else ():
         if arrays[name].get("dtype") != "bfloat16":
             raise TrainError(f"store array {name!r} is {arrays[name].get('dtype')}; the trainer reads bfloat16 "
                              "states (what extract writes)")
@@ -133,7 +139,7 @@ def load_inputs(params: TrainParams, paths: Paths) -> Inputs:
     if not (paths.hidden / MANIFEST_NAME).is_file():
         raise TrainError(f"{paths.hidden}: no hidden-state store; run the extract stage first")
     store = HiddenStore(paths.hidden)
-    aux_ids, pre_norm = check_store(store.manifest, record, config)
+    aux_ids, pre_norm = check_store(store.manifest, record, config, params.source)
     try:
         drafter, d2t, t2d = build_drafter(params, config, aux_ids, paths.vocab)
     except ValueError as err:  # CheckpointError, DrafterConfig's checks: all name what is wrong

@@ -15,6 +15,8 @@ import csv
 import io
 import math
 import os
+import resource
+import shutil
 import sys
 import time
 from collections.abc import Generator
@@ -34,9 +36,11 @@ from eagle3.metrics import write_metrics
 from eagle3.model.checkpoint import WEIGHT_DTYPES, save_drafter, validate
 from eagle3.model.drafter import Drafter
 from eagle3.progress import Progress, format_duration
-from eagle3.training.data import Batch, Plan, batch_loader, make_plan
+from eagle3.store.reader import HiddenStore
+from eagle3.training.data import Batch, Plan, StoredBatch, make_plan
 from eagle3.training.inputs import Inputs, load_inputs
 from eagle3.training.objective import DraftLoss, step_row
+from eagle3.training.online import CaptureProcess, fill_hybrid_store, start_capture, store_batches
 from eagle3.training.params import Paths, TrainError, TrainParams, check_params
 from eagle3.training.state import (
     GATHER,
@@ -90,12 +94,14 @@ class Dist:
             torch.distributed.barrier()
 
 
-def init_distributed() -> Dist:
-    """torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK), or one process."""
+def init_distributed(gpu_offset: int = 0) -> Dist:
+    """torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK), or one process; on a GPU box the
+    ranks take the GPUs from `gpu_offset` on (the ones before capture the states)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", gpu_offset + local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     if world > 1:
@@ -118,30 +124,54 @@ class Run:
     state: RunState
     dtype: torch.dtype  # of the states fed in: bf16 on GPU, fp32 on CPU (where cpu_bf16 autocasts the matmuls)
     decay: Tensor  # [K] step_decay**k
+    capture: CaptureProcess | None  # train.source online / hybrid
+    hybrid_store: HiddenStore | None = None  # hybrid, once the first epoch has filled it
+    wait_s: float = 0.0  # the loop waiting for states, whatever their source
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.dist.device.type == "cuda" or self.params.cpu_bf16:
             return torch.autocast(self.dist.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def batches(self, batches: list[list[int]]) -> Generator[Batch, None, None]:
-        loader = batch_loader(
-            self.inputs.store,
-            batches,
-            ttt_steps=self.params.ttt_steps,
-            max_seq_len=self.params.max_seq_len,
-            prompt_loss_weight=self.params.prompt_loss_weight,
-            num_workers=self.params.num_workers,
-            pin_memory=self.dist.device.type == "cuda",
-        )
+    def states(self, batches: list[list[int]], epoch: int) -> Generator[StoredBatch, None, None]:
+        pin = self.dist.device.type == "cuda"
+        if self.params.source == "store":
+            return store_batches(self.inputs.store, batches, self.params, pin)
+        if self.params.source == "hybrid" and epoch > 0:
+            return store_batches(self.filled_hybrid_store(), batches, self.params, pin)
+        return self.capture.run(batches, store_dir=self.paths.hybrid if self.params.source == "hybrid" else None)
+
+    def batches(self, batches: list[list[int]], epoch: int) -> Generator[Batch, None, None]:
+        waited = time.monotonic()  # from here: a hybrid run's filling of its store is waiting too
+        loader = self.states(batches, epoch)
         with contextlib.closing(loader):  # closing this generator stops the loader's threads now
-            for batch in loader:
+            while True:
+                batch = next(loader, None)
+                self.wait_s += time.monotonic() - waited
+                if batch is None:
+                    return
                 yield batch.to(self.dist.device, self.dtype)
+                waited = time.monotonic()
 
     def epoch_batches(self, epoch: int, start: int) -> Generator[Batch, None, None]:
         """This rank's batches of `epoch` from step `start` on: its share of every step."""
         d = self.dist
-        return self.batches([b for step in self.plan.epochs[epoch][start:] for b in step[d.rank :: d.world]])
+        return self.batches([b for step in self.plan.epochs[epoch][start:] for b in step[d.rank :: d.world]], epoch)
+
+    def filled_hybrid_store(self) -> HiddenStore:
+        """The store the first epoch filled: the samples it did not capture (held out, or lost with a
+        shard a crash left uncommitted) are captured now, without training on them."""
+        if self.hybrid_store is None:
+            if self.capture.current:
+                self.capture.wait_done(self.capture.current)  # the first epoch's last shard is committed
+            self.dist.barrier()
+            if self.dist.main:
+                fill_hybrid_store(self.capture, self.paths.hybrid, self.inputs.store, self.inputs.record)
+            self.dist.barrier()
+            self.hybrid_store = HiddenStore(self.paths.hybrid)
+            if self.hybrid_store.sample_ids != self.inputs.store.sample_ids:
+                raise TrainError(f"{self.paths.hybrid} does not hold the samples of {self.inputs.store.root}")
+        return self.hybrid_store
 
 
 def setup(params: TrainParams, paths: Paths, dist: Dist) -> Run:
@@ -166,8 +196,15 @@ def setup(params: TrainParams, paths: Paths, dist: Dist) -> Run:
         state = load_checkpoint(checkpoint, loss, optimizer)
     elif checkpoint and dist.main:
         print(f"[train] starting afresh: {checkpoint} was made with other params or inputs", file=sys.stderr)
+    if state.step == 0 and dist.main and paths.hybrid.exists():
+        shutil.rmtree(paths.hybrid)  # states of another run's samples or target; a resume keeps them
+    dist.barrier()
     decay = torch.tensor([params.step_decay**k for k in range(params.ttt_steps)], device=dist.device)
-    return Run(params, paths, dist, inputs, plan, loss, model, optimizer, state, dtype, decay)
+    capture = None
+    if params.source != "store":
+        capture = start_capture(params, paths.hidden, paths.target, list(drafter.config.aux_layer_ids), paths.run,
+                                dist.device.type, dist.rank, int(os.environ.get("LOCAL_RANK", "0")))
+    return Run(params, paths, dist, inputs, plan, loss, model, optimizer, state, dtype, decay, capture)
 
 
 def distribute(loss: DraftLoss, fsdp: bool, dist: Dist) -> nn.Module:
@@ -223,7 +260,8 @@ def evaluate(run: Run) -> dict[str, float] | None:
     sums = torch.zeros(3, k, device=run.dist.device)
     zero = torch.zeros(k, device=run.dist.device)
     run.loss.eval()  # no dropout
-    for batch in run.batches(run.plan.heldout[run.dist.rank :: run.dist.world]):
+    epoch = run.plan.position(run.state.step)[0]
+    for batch in run.batches(run.plan.heldout[run.dist.rank :: run.dist.world], epoch):
         with run.autocast():
             _, losses, hits = run.loss(batch, zero)
         sums += torch.stack([losses, hits, batch.step_weights(k)])
@@ -233,14 +271,15 @@ def evaluate(run: Run) -> dict[str, float] | None:
 
 
 def loop(run: Run) -> tuple[int, int, float]:
-    """Trains from the state's position to the end; returns (tokens, samples, seconds) of this call."""
+    """Trains from the state's position to the end; returns (tokens, samples, seconds, seconds waiting
+    for states) of this call."""
     params, dist, plan, state = run.params, run.dist, run.plan, run.state
     k = params.ttt_steps
     window = torch.zeros(3, k, device=dist.device)  # local loss sums, local hits, global weights
     progress = Progress("train", plan.total_steps, unit="steps", done=state.step) if dist.main else None
     extra = ""
     tokens = samples = 0
-    started = time.monotonic()
+    started, waited = time.monotonic(), run.wait_s
     batches: Generator[Batch, None, None] | None = None
     for step in range(state.step, plan.total_steps):
         epoch, in_epoch = plan.position(step)
@@ -281,7 +320,7 @@ def loop(run: Run) -> tuple[int, int, float]:
             progress.update(1, extra)
     if batches is not None:
         batches.close()
-    return tokens, samples, time.monotonic() - started
+    return tokens, samples, time.monotonic() - started, run.wait_s - waited
 
 
 def write_curve(path: Path, rows: list[dict[str, float]]) -> None:
@@ -318,7 +357,7 @@ def per_step(row: dict[str, float] | None, k: int) -> dict[str, list[float]] | N
 
 def train(params: TrainParams, paths: Paths = Paths()) -> dict[str, Any] | None:
     """Trains (or resumes) and writes the outputs; rank 0 returns the metrics record, others None."""
-    dist = init_distributed()
+    dist = init_distributed(params.capture_gpus if params.source != "store" else 0)
     try:
         # DDP and everything else of the run is freed when train_on returns, before the process
         # group goes: a DDP reducer destroyed after its group could hang the process at exit.
@@ -331,8 +370,17 @@ def train(params: TrainParams, paths: Paths = Paths()) -> dict[str, Any] | None:
 def train_on(dist: Dist, params: TrainParams, paths: Paths) -> dict[str, Any] | None:
     started = time.monotonic()
     run = setup(params, paths, dist)
+    try:
+        return finish_run(run, started)
+    finally:
+        if run.capture:
+            run.capture.stop()
+
+
+def finish_run(run: Run, started: float) -> dict[str, Any] | None:
+    dist, paths = run.dist, run.paths
     resumed_from = run.state.step
-    tokens, samples, loop_s = loop(run)
+    tokens, samples, loop_s, wait_s = loop(run)
     heldout = run.state.heldout_curve[-1] if run.state.heldout_curve else None
     if heldout is None or heldout["step"] != run.state.step:
         heldout = evaluate(run)
@@ -343,17 +391,25 @@ def train_on(dist: Dist, params: TrainParams, paths: Paths) -> dict[str, Any] | 
     if dist.main:
         write_curve(paths.curve, run.state.curve)
         write_curve(paths.heldout_curve, run.state.heldout_curve)
-        record = report(run, heldout, dtype, resumed_from, tokens, samples, loop_s, time.monotonic() - started)
+        record = report(run, heldout, dtype, resumed_from, tokens, samples, loop_s, wait_s, time.monotonic() - started)
     dist.barrier()  # all ranks leave together
     return record
 
 
 def report(run: Run, heldout: dict[str, float] | None, dtype: torch.dtype, resumed_from: int, tokens: int,
-           samples: int, loop_s: float, wall: float) -> dict[str, Any]:
+           samples: int, loop_s: float, wait_s: float, wall: float) -> dict[str, Any]:
     params, plan, state = run.params, run.plan, run.state
     k = params.ttt_steps
     drafter = run.loss.drafter
     final = {"train": per_step(state.curve[-1], k), "heldout": per_step(heldout, k)}
+    states = {"source": params.source, "stall_share": round(wait_s / loop_s, 4) if loop_s > 0 else None,
+              "trainer_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+    if run.capture:
+        f = run.capture.figures
+        states |= {"capture_tokens_per_s": round(f.captured_tokens / f.capture_s, 1) if f.capture_s else None,
+                   "capture_restarts": f.restarts, "captured_batches": f.batches,
+                   "prefetch_peak_mb": round(f.prefetch_peak_bytes / 1e6, 1),
+                   "capture_peak_rss_mb": round(f.capture_peak_rss_mb, 1)}
     record = write_metrics(
         "train",
         wall,
@@ -374,12 +430,14 @@ def report(run: Run, heldout: dict[str, float] | None, dtype: torch.dtype, resum
         draft_vocab_size=drafter.config.draft_vocab_size,
         aux_layer_ids=list(drafter.config.aux_layer_ids),
         saved_dtype=str(dtype).removeprefix("torch."),
+        states=states,
         final=final,
     )
     heldout_top1 = final["heldout"]["top1"] if final["heldout"] else "n/a"
     print(
         f"train: {plan.total_steps} steps ({params.epochs} epochs, {plan.train_samples} samples, "
-        f"{plan.heldout_samples} held out), {tokens} tokens this run at {record['train_tokens_per_s']} tok/s"
+        f"{plan.heldout_samples} held out), {tokens} tokens this run at {record['train_tokens_per_s']} tok/s, "
+        f"states from {params.source} (waited {states['stall_share']:.1%} of the loop)"
         f"{f' (resumed at step {resumed_from})' if resumed_from else ''}; final top-1 per step train "
         f"{final['train']['top1']}, held-out {heldout_top1}; {format_duration(wall)} -> {run.paths.out}"
     )

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3.errors import PipelineError
+from eagle3.extraction.params import TRAIN_SOURCES
 from eagle3.metrics import METRICS_DIR
 from eagle3.model.checkpoint import WEIGHT_DTYPES
 from eagle3.model.drafter import DRAFTERS
@@ -13,7 +14,8 @@ from eagle3.model.drafter import DRAFTERS
 HEAD_INITS = ("target", "random")
 # Params that change how a run is watched or saved, not the weights it produces: changing them
 # does not stop a resume.
-OPERATIONAL = ("log_every", "checkpoint_every", "eval_every", "num_workers", "compile", "save_dtype", "fsdp")
+OPERATIONAL = ("log_every", "checkpoint_every", "eval_every", "num_workers", "compile", "save_dtype", "fsdp",
+               "prefetch_batches", "prefetch_dir", "capture_gpus")
 
 
 class TrainError(PipelineError, ValueError):
@@ -57,6 +59,14 @@ class TrainParams:
     fsdp: bool  # several processes: shard weights, gradients and AdamW state instead of replicating them
     ce_chunk_size: int
     save_dtype: str  # float32 | bfloat16 | float16 | target (the target's dtype)
+    # store: states read from artifacts/hidden; online: a capture process beside the trainer computes
+    # each batch's (artifacts/hidden then holds token ids only); hybrid: online for the first epoch,
+    # whose states fill run/train/hybrid-store, which the later epochs read (eagle3/training/online.py)
+    source: str
+    prefetch_batches: int  # online/hybrid: batches of states the capture process keeps ready
+    prefetch_dir: str | None  # where they wait; None: run/train/prefetch (a tmpfs such as /dev/shm keeps them in RAM)
+    capture_max_tokens: int  # padded tokens per capture forward; a training batch may take several
+    capture_gpus: int  # GPUs for the capture, the first ones; the training ranks take the next; 0: they share
 
 
 @dataclass(frozen=True)
@@ -66,6 +76,7 @@ class Paths:
     target: Path = Path("artifacts/target")
     out: Path = Path("artifacts/drafter")
     run: Path = Path("run/train")
+    hybrid: Path = Path("run/train/hybrid-store")  # train.source: hybrid, the first epoch's states
     curve: Path = METRICS_DIR / "train_curve.csv"
     heldout_curve: Path = METRICS_DIR / "train_heldout_curve.csv"
 
@@ -99,6 +110,13 @@ def check_params(params: TrainParams, world: int) -> None:
         problems.append(f"drafter={params.drafter!r} is not one of {list(DRAFTERS)}")
     if params.head_init not in HEAD_INITS:
         problems.append(f"head_init={params.head_init!r} is not one of {list(HEAD_INITS)}")
+    if params.source not in TRAIN_SOURCES:
+        problems.append(f"source={params.source!r} is not one of {list(TRAIN_SOURCES)}")
+    for name in ("prefetch_batches", "capture_max_tokens"):
+        if getattr(params, name) < 1:
+            problems.append(f"{name}={getattr(params, name)} must be >= 1")
+    if params.capture_gpus < 0:
+        problems.append(f"capture_gpus={params.capture_gpus} must be >= 0")
     if params.save_dtype not in (*WEIGHT_DTYPES, "target"):
         problems.append(f"save_dtype={params.save_dtype!r} is not one of {[*WEIGHT_DTYPES, 'target']}")
     if problems:

@@ -1,0 +1,48 @@
+"""The target's batched forward with the capture hooks on, and the hand-over of its states to a
+store: what the extract stage (hf.py) and the online trainer's capture process share.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from eagle3.extraction.samples import Sample
+from eagle3.store.writer import ShardWriter
+from eagle3.target.capture import Capture
+
+
+def pad_batch(batch: list[Sample], device: torch.device) -> torch.Tensor:
+    """Token ids right-padded to the longest sample. No attention mask is needed: under causal
+    attention a real position never sees the padding after it, and without a mask the attention
+    kernels take their causal path (the same states as a masked forward)."""
+    ids = np.zeros((len(batch), len(batch[0].input_ids)), np.int64)
+    for row, sample in enumerate(batch):
+        ids[row, : len(sample.input_ids)] = sample.input_ids
+    return torch.from_numpy(ids).to(device)
+
+
+def forward_batch(model: Any, capture: Capture, batch: list[Sample], device: torch.device) -> tuple[Any, ...]:
+    """Runs the decoder (no lm_head) and starts the copies of the captured states to the host."""
+    with torch.inference_mode():
+        model.get_decoder()(input_ids=pad_batch(batch, device), use_cache=False)
+        aux, last = (state.to(torch.bfloat16) for state in capture.take())
+    if device.type != "cuda":
+        return aux, last, None
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (aux, last)]
+    for dst, src in zip(host, (aux, last)):
+        dst.copy_(src, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host[0], host[1], event
+
+
+def store_batch(writer: ShardWriter, batch: list[Sample], aux: torch.Tensor, last: torch.Tensor, event: Any) -> None:
+    if event is not None:
+        event.synchronize()
+    for row, sample in enumerate(batch):
+        n = len(sample.input_ids)
+        writer.put(sample.id, {"input_ids": sample.input_ids, "loss_mask": sample.loss_mask,
+                               "aux": aux[row, :n].view(torch.int16).numpy().view(np.uint16),
+                               "last": last[row, :n].view(torch.int16).numpy().view(np.uint16)})

@@ -1,0 +1,146 @@
+"""The online capture process: the target's states for the trainer's batches, in the trainer's order,
+into the prefetch spool (eagle3/training/spool.py); in hybrid mode every captured sample also goes
+into a store.
+
+    python -m eagle3.training.capture_process SPOOL_DIR
+
+The trainer starts it (eagle3/training/online.py), and starts it again if it dies: the new process
+reads the same job.json, whose `start` the trainer has moved to the first batch it still needs, and
+skips the batch files already there. The forward is the extract stage's (eagle3/extraction/hf.py:
+the same hooks, bf16 states), so online states are the stored ones up to the batch composition's
+effect on the kernels. The process leaves when the trainer is gone or the job says stop.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3.extraction.forward import forward_batch, store_batch
+from eagle3.extraction.samples import Sample, length_batches
+from eagle3.store.layout import completed_sample_ids
+from eagle3.store.reader import HiddenStore, StatePlanes
+from eagle3.store.writer import ShardWriter
+from eagle3.target.capture import Capture
+from eagle3.training.data import collate
+from eagle3.training.spool import CaptureJob, batch_path, done_path, read_job, ready, write_batch
+
+POLL_S = 0.005
+
+
+class Superseded(Exception):
+    """job.json now asks for something else: drop this job's work and read it again."""
+
+
+def load_target(job: CaptureJob) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    from eagle3.target.record import load_record
+
+    record = load_record(Path(job.target))
+    model = AutoModelForCausalLM.from_pretrained(job.target, dtype=getattr(torch, record["dtype"]))
+    model = model.to(job.device).eval()
+    return model, Capture(model, job.aux_layer_ids)
+
+
+def still_wanted(spool: Path, job: CaptureJob, parent: int) -> None:
+    if os.getppid() != parent:
+        sys.exit(0)  # the trainer is gone: nobody will read what this process makes
+    current = read_job(spool)
+    if current is None or (current.job, current.start, current.stop) != (job.job, job.start, job.stop):
+        raise Superseded
+
+
+def capture_batch(model: Any, capture: Any, samples: list[Sample], job: CaptureJob,
+                  writer: ShardWriter | None, stored: set[str]) -> dict[str, dict]:
+    """Each sample's states (its token ids, mask and states as StatePlanes), in forwards of at most
+    capture_max_tokens padded tokens; in hybrid mode the samples not yet stored go into the store."""
+    device = torch.device(job.device)
+    out = {}
+    for group in length_batches(samples, job.capture_max_tokens):
+        aux, last, event = forward_batch(model, capture, group, device)
+        if writer is not None:
+            todo = [i for i, s in enumerate(group) if s.id not in stored]
+            store_batch(writer, [group[i] for i in todo], aux[todo], last[todo], event)
+            stored.update(group[i].id for i in todo)
+        elif event is not None:
+            event.synchronize()
+        for row, sample in enumerate(group):
+            n = len(sample.input_ids)
+            out[sample.id] = {"input_ids": torch.from_numpy(sample.input_ids),
+                              "loss_mask": torch.from_numpy(sample.loss_mask),
+                              "aux": StatePlanes.of(aux[row, :n]), "last": StatePlanes.of(last[row, :n])}
+    return out
+
+
+def run_job(spool: Path, job: CaptureJob, target: Any, parent: int) -> None:
+    model, capture = target
+    tokens = HiddenStore(job.tokens)
+    writer, stored = None, set()
+    if job.store_dir:
+        stored = completed_sample_ids(job.store_dir)
+        # small shards: a crash loses at most one uncommitted shard, which the filling then captures again
+        writer = ShardWriter(job.store_dir, rank=job.rank, shard_bytes=64 << 20)
+    try:
+        for seq in range(job.start, len(job.batches)):
+            path = batch_path(spool, job.job, seq)
+            if job.spool and path.exists():
+                continue  # made by a predecessor that died later
+            while job.spool and len(ready(spool, job.job)) >= job.prefetch:
+                still_wanted(spool, job, parent)
+                time.sleep(POLL_S)
+            still_wanted(spool, job, parent)
+            started = time.monotonic()
+            rows = job.batches[seq]
+            samples = [sample_at(tokens, row) for row in rows]
+            if not job.spool:  # filling the store: only what it lacks
+                samples = [s for s in samples if s.id not in stored]
+            states = capture_batch(model, capture, samples, job, writer, stored)
+            if job.spool:
+                batch = collate([states[s.id] for s in samples], ttt_steps=job.ttt_steps, max_seq_len=job.max_seq_len,
+                                prompt_loss_weight=job.prompt_loss_weight)
+                write_batch(path, batch, {"capture_s": time.monotonic() - started,
+                                          "capture_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+        if writer is not None:
+            writer.close()  # the last shard is committed before the job says it is done
+            writer = None
+        done_path(spool, job.job).touch()
+    finally:
+        if writer is not None:
+            writer.close()
+        tokens.close()
+
+
+def sample_at(tokens: HiddenStore, row: int) -> Sample:
+    arrays = tokens.read_row(row).arrays
+    return Sample(tokens.sample_ids[row], arrays["input_ids"], arrays["loss_mask"])
+
+
+def main(argv: list[str]) -> int:
+    spool, parent = Path(argv[0]), os.getppid()
+    target, finished = None, None
+    while True:
+        job = read_job(spool)
+        if job is not None and job.stop:
+            return 0
+        if job is None or (job.job, job.start) == finished or done_path(spool, job.job).exists():
+            if os.getppid() != parent:
+                return 0
+            time.sleep(POLL_S)
+            continue
+        target = target or load_target(job)
+        try:
+            run_job(spool, job, target, parent)
+            finished = (job.job, job.start)
+        except Superseded:
+            continue
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
