@@ -23,11 +23,18 @@ def pad_batch(batch: list[Sample], device: torch.device) -> torch.Tensor:
     return torch.from_numpy(ids).to(device)
 
 
-def forward_batch(model: Any, capture: Capture, batch: list[Sample], device: torch.device) -> tuple[Any, ...]:
-    """Runs the decoder (no lm_head) and starts the copies of the captured states to the host."""
+def forward_states(model: Any, capture: Capture, batch: list[Sample], device: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs the decoder (no lm_head): the captured (aux, last) states in bf16, where it ran."""
     with torch.inference_mode():
         model.get_decoder()(input_ids=pad_batch(batch, device), use_cache=False)
         aux, last = (state.to(torch.bfloat16) for state in capture.take())
+    return aux, last
+
+
+def forward_batch(model: Any, capture: Capture, batch: list[Sample], device: torch.device) -> tuple[Any, ...]:
+    """Runs the decoder and starts the copies of the captured states to the host."""
+    aux, last = forward_states(model, capture, batch, device)
     if device.type != "cuda":
         return aux, last, None
     host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (aux, last)]

@@ -406,7 +406,10 @@ def report(run: Run, heldout: dict[str, float] | None, dtype: torch.dtype, resum
               "trainer_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
     if run.capture:
         f = run.capture.figures
-        states |= {"capture_tokens_per_s": round(f.captured_tokens / f.capture_s, 1) if f.capture_s else None,
+        steady = loop_s - f.startup_s
+        states |= {"capture_startup_s": round(f.startup_s, 2),
+                   "stall_share_after_startup": round((wait_s - f.startup_s) / steady, 4) if steady > 0 else None,
+                   "capture_tokens_per_s": round(f.captured_tokens / f.capture_s, 1) if f.capture_s else None,
                    "capture_restarts": f.restarts, "captured_batches": f.batches,
                    "prefetch_peak_mb": round(f.prefetch_peak_bytes / 1e6, 1),
                    "capture_peak_rss_mb": round(f.capture_peak_rss_mb, 1)}

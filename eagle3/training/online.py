@@ -36,6 +36,7 @@ FILL_ROWS = 64  # samples per job batch when filling the hybrid store (the captu
 @dataclass
 class CaptureFigures:
     wait_s: float = 0.0  # the trainer waiting for a batch of states
+    startup_s: float = 0.0  # of which for the run's first batch: the process starting, the target loading
     capture_s: float = 0.0  # the capture process computing them
     captured_tokens: int = 0
     batches: int = 0
@@ -120,6 +121,7 @@ class CaptureProcess:
 
     def account(self, waited: float, batch: StoredBatch, meta: dict[str, float]) -> None:
         f = self.figures
+        f.startup_s = f.startup_s if f.batches else waited
         f.wait_s += waited
         f.capture_s += meta.get("capture_s", 0.0)
         f.captured_tokens += batch.tokens
