@@ -309,3 +309,27 @@ def test_plan_refuses_a_target_that_does_not_fit(tmp_path):
                    "--measured", str(EMBEDDED_RUN), str(RESULTS), "--plot", str(tmp_path / "p.png")])
     with pytest.raises(SystemExit, match="available: .*h200-8"):
         plan.main(["--hw", "h100", "--target", "kimi-k2.5", "--samples", "10", "--profiles", str(PROFILES)])
+
+
+def test_sources_price_the_split_of_gpus_between_capture_and_training():
+    from tools.planner.sources import compare, splits
+
+    assert splits(8, 1) == list(range(1, 8)) and splits(8, 5) == [5] and splits(4, 4) == []
+    # extract 1 h and train 10 h (10 epochs) on 8 GPUs, one GPU per replica
+    by_source = {s.source: s for s in compare(3600, 36000, 10, 8, 1, hidden_bytes=1e12, token_bytes=1e9)}
+    assert by_source["store"].seconds == 11 * 3600 and by_source["store"].disk_bytes == 1e12
+    # online: 4 capture (10 passes x 2 h) while 4 train (20 h); sharing every GPU is as long (10 h + 10 h)
+    assert by_source["online"].seconds == pytest.approx(20 * 3600) and by_source["online"].disk_bytes == 1e9
+    # hybrid: its first epoch on shared GPUs is extract + one epoch, the rest from the store: the store's hours
+    assert by_source["hybrid"].seconds == pytest.approx(11 * 3600)
+    # no split fits when one replica needs every GPU: only sharing
+    assert "capture_gpus 0" in compare(3600, 36000, 10, 8, 8, 1e12, 1e9)[-1].note
+
+
+def test_plan_lists_the_three_sources_with_their_disk(capsys):
+    from tools.plan import main
+
+    main(["--hw", "h200-8", "--target", "llama-3.1-8b", "--samples", "1000", "--plot", "/dev/null"])
+    out = capsys.readouterr().out
+    rows = [line.split()[0] for line in out.splitlines() if line.split()[:1] in (["store"], ["online"], ["hybrid"])]
+    assert sorted(rows) == ["hybrid", "online", "store"] and "capture_gpus" in out

@@ -14,11 +14,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from tools.planner import model
+from tools.planner import model, sources
 from tools.planner.calibrate import Calibration, CalibrationError, Measurement, calibrate
 from tools.planner.profiles import PLANNER_DIR, Hardware, ProfileError, Target, load_hardware, load_target
 
 STAGES = ("generate", "extract", "train", "transfer")
+TOKEN_STORE_BYTES = 5  # per token, what an online run keeps: int32 id + uint8 mask (before zstd)
 DEFAULT_COMPRESS_MB_S = 180.0  # per core, zstd-1 on byte planes: what the H200 extract benchmark sustained per thread
 
 
@@ -38,6 +39,7 @@ class Plan:
     hidden_bytes: float
     weight_bytes: float
     alternatives: list[StageEstimate]  # shown beside the stages, not in the total (the other extraction path)
+    sources: list[sources.SourceEstimate]  # train.source store / online / hybrid, fastest first
 
     @property
     def seconds(self) -> float:
@@ -106,7 +108,9 @@ def project(target: Target, hw: Hardware, work: model.Workload, cal: Calibration
                       f"weights in + hidden store out at {work.link_gbit_s:g} Gbit/s; stored/raw {ratio:.3f} "
                       f"from {ratio_source}"),
     ]
-    return Plan(hw, target, work, stages, hidden, weights, [other])
+    by_source = sources.compare(chosen.seconds, stages[2].seconds, work.epochs, hw.devices, replica if on_gpu else 1,
+                                hidden, work.tokens * TOKEN_STORE_BYTES)
+    return Plan(hw, target, work, stages, hidden, weights, [other], by_source)
 
 
 # ------------------------------------------------------------------------------------------ output
@@ -132,7 +136,9 @@ def table(plan: Plan) -> str:
     lines += [f"{'total':<9} {hours(plan.seconds):>9}  bottleneck: {plan.bottleneck.stage}",
               f"disk      hidden store {plan.hidden_bytes / 1e12:,.2f} TB "
               f"({model.raw_bytes_per_token(plan.target):,.0f} B/token raw), weights {plan.weight_bytes / 1e9:,.0f} GB",
-              f"cost      ${plan.dollars:,.0f} at ${plan.hardware.price_per_hour:g}/h"]
+              f"cost      ${plan.dollars:,.0f} at ${plan.hardware.price_per_hour:g}/h", "",
+              "train.source: extract + train hours, disk for states (the total above is the store's)"]
+    lines += [f"{s.source:<9} {hours(s.seconds):>9}  {s.disk_bytes / 1e12:,.3f} TB; {s.note}" for s in plan.sources]
     return "\n".join(lines)
 
 
