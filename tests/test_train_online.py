@@ -146,3 +146,12 @@ def test_hybrid_interrupted_in_its_first_epoch_resumes_and_later_epochs_read_the
     store = HiddenStore(paths.hybrid)
     assert len(store) == 24 and json.loads((paths.hybrid / "manifest.json").read_text())["states"]
     assert_bitwise(paths.out, reference.out)
+
+
+def test_a_capture_that_cannot_start_stops_the_run_with_the_end_of_its_output(workspace, token_store, tmp_path,
+                                                                              monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(online, "capture_device", lambda *args: "no-such-device")
+    with pytest.raises(TrainError, match=r"died 3 times in a row .* the end of its output") as err:
+        train(small_params(source="online", **ONLINE), online_paths(workspace, token_store, tmp_path))
+    assert "no-such-device" in str(err.value).split("the end of its output")[1]  # the capture's own traceback

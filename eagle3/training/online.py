@@ -12,6 +12,7 @@ are counted (stall share), and so are the capture's own seconds (its tokens/s).
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 import time
@@ -28,8 +29,10 @@ from eagle3.training.data import StoredBatch, batch_loader
 from eagle3.training.params import TrainError, TrainParams
 from eagle3.training.spool import CaptureJob, batch_path, done_path, empty_dir, read_batch, write_job
 
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 POLL_S = 0.002
 MAX_RESTARTS = 3  # in a row without a batch: the capture cannot start (a bad target, out of memory)
+LOG_TAIL_LINES = 20
 FILL_ROWS = 64  # samples per job batch when filling the hybrid store (the capture splits them by capture_max_tokens)
 
 
@@ -59,8 +62,11 @@ class CaptureProcess:
 
     def start(self) -> None:
         self.log_file = self.log_file or open(self.log, "a")
+        # the package from wherever this one was imported, whatever the working directory
+        path = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")]))
         self.process = subprocess.Popen([sys.executable, "-m", capture_process.__name__, str(self.spool)],
-                                        stdout=self.log_file, stderr=subprocess.STDOUT)
+                                        stdout=self.log_file, stderr=subprocess.STDOUT,
+                                        env={**os.environ, "PYTHONPATH": path})
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -78,8 +84,10 @@ class CaptureProcess:
             return failures
         code = self.process.returncode if self.process else None
         if failures + 1 >= MAX_RESTARTS:
+            self.log_file.flush()
+            tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:])
             raise TrainError(f"the capture process died {failures + 1} times in a row (last exit code {code}) "
-                             f"before batch {seq} of job {job.job}; its output: {self.log}")
+                             f"before batch {seq} of job {job.job}; the end of its output ({self.log}):\n{tail}")
         print(f"[train] capture process exited with code {code}; restarting it at batch {seq}", file=sys.stderr)
         self.figures.restarts += 1
         self.submit(job, seq)
