@@ -23,18 +23,11 @@ from eagle3.store.writer import ShardWriter
 from eagle3.training import online
 from eagle3.training.loop import train
 from eagle3.training.params import Paths, TrainError
-from tests.test_train import (  # noqa: F401 (fixtures)
-    AUX_IDS,
-    FORK,
-    _train_and_die_in_checkpoint,
-    one_thread,
-    paths_for,
-    small_params,
-    trained,
-    weights,
-    workspace,
-)
+from tests import test_train as tiny
+from tests.test_train import AUX_IDS, FORK, _train_and_die_in_checkpoint, paths_for, small_params, weights
 
+# the tiny target, its store and the store-trained reference run, shared with tests/test_train.py
+workspace, trained, one_thread = tiny.workspace, tiny.trained, tiny.one_thread
 ONLINE = dict(capture_max_tokens=1, prefetch_batches=2)
 
 
@@ -155,3 +148,21 @@ def test_a_capture_that_cannot_start_stops_the_run_with_the_end_of_its_output(wo
     with pytest.raises(TrainError, match=r"died 3 times in a row .* the end of its output") as err:
         train(small_params(source="online", **ONLINE), online_paths(workspace, token_store, tmp_path))
     assert "no-such-device" in str(err.value).split("the end of its output")[1]  # the capture's own traceback
+
+
+def test_capture_gpus_puts_each_ranks_capture_on_the_first_gpus_and_sharing_keeps_its_own():
+    assert online.capture_device("cpu", 3, 2) == "cpu"
+    assert [online.capture_device("cuda", rank, 0) for rank in range(3)] == ["cuda:0", "cuda:1", "cuda:2"]
+    # capture_gpus 2 on 8 GPUs: the 6 training ranks (GPUs 2-7, init_distributed's offset) capture on GPUs 0 and 1
+    assert [online.capture_device("cuda", rank, 2) for rank in range(6)] == ["cuda:0", "cuda:1"] * 3
+
+
+def test_source_and_capture_params_are_checked_by_name():
+    from eagle3.training.params import check_params
+
+    with pytest.raises(TrainError, match="train.source='disk' is not one of"):
+        check_params(small_params(source="disk"), 1)
+    with pytest.raises(TrainError, match="train.prefetch_batches=0 must be >= 1"):
+        check_params(small_params(prefetch_batches=0), 1)
+    with pytest.raises(TrainError, match="train.capture_gpus=-1 must be >= 0"):
+        check_params(small_params(capture_gpus=-1), 1)
