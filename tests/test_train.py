@@ -442,9 +442,10 @@ def _train_and_die_in_checkpoint(number: int, params: TrainParams, paths: Paths)
     train(params, paths)
 
 
-def killed_in_second_checkpoint(paths: Paths) -> None:
-    """A one-process run of small_params() killed with SIGKILL while writing its step-6 checkpoint."""
-    child = FORK.Process(target=_train_and_die_in_checkpoint, args=(2, small_params(), paths))
+def killed_in_checkpoint(paths: Paths, params: TrainParams | None = None, number: int = 2) -> None:
+    """A one-process run (small_params() by default) killed with SIGKILL while writing its checkpoint
+    `number` (the second: step 6)."""
+    child = FORK.Process(target=_train_and_die_in_checkpoint, args=(number, params or small_params(), paths))
     child.start()
     child.join(120)
     assert child.exitcode == -signal.SIGKILL
@@ -454,7 +455,7 @@ def test_kill_9_mid_epoch_then_resume_gives_bitwise_equal_weights(trained, works
     reference, _ = trained
     monkeypatch.chdir(tmp_path)
     paths = paths_for(workspace, tmp_path)
-    killed_in_second_checkpoint(paths)
+    killed_in_checkpoint(paths)
     assert not paths.out.exists()
     survivors = sorted(p.name for p in paths.run.iterdir())
     assert survivors[-1] == "step-00000003" and any(s.startswith(".step-00000006") for s in survivors)
@@ -475,7 +476,7 @@ def test_fsdp_ranks_resume_a_single_process_checkpoint(trained, workspace, tmp_p
     reference, _ = trained
     monkeypatch.chdir(tmp_path)
     paths = paths_for(workspace, tmp_path)
-    killed_in_second_checkpoint(paths)
+    killed_in_checkpoint(paths)
     run_ranks(2, small_params(fsdp=True), paths)
     assert json.loads((tmp_path / "metrics" / "train.json").read_text())["resumed_from_step"] == 3
     assert_same_weights(paths.out, reference.out)

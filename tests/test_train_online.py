@@ -12,19 +12,20 @@ import dataclasses
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from eagle3.store.layout import merge_index, sample_arrays, write_manifest
+from eagle3.store.layout import completed_sample_ids, merge_index, sample_arrays, write_manifest
 from eagle3.store.reader import HiddenStore
 from eagle3.store.writer import ShardWriter
 from eagle3.training import online
 from eagle3.training.loop import train
 from eagle3.training.params import Paths, TrainError
 from tests import test_train as tiny
-from tests.test_train import AUX_IDS, FORK, _train_and_die_in_checkpoint, paths_for, small_params, weights
+from tests.test_train import AUX_IDS, killed_in_checkpoint, paths_for, small_params, weights
 
 # the tiny target, its store and the store-trained reference run, shared with tests/test_train.py
 workspace, trained, one_thread = tiny.workspace, tiny.trained, tiny.one_thread
@@ -103,20 +104,13 @@ def test_capture_process_killed_with_kill_9_is_restarted_at_the_same_batch(train
     assert capsys.readouterr().err.count("capture process exited with code -9; restarting it at batch") == 2
 
 
-def killed_trainer(params, paths: Paths, checkpoint: int) -> None:
-    child = FORK.Process(target=_train_and_die_in_checkpoint, args=(checkpoint, params, paths))
-    child.start()
-    child.join(120)
-    assert child.exitcode == -signal.SIGKILL
-
-
 def test_trainer_killed_with_kill_9_resumes_and_asks_again_for_its_batch(trained, workspace, token_store, tmp_path,
                                                                          monkeypatch):
     reference, _ = trained
     monkeypatch.chdir(tmp_path)
     paths = online_paths(workspace, token_store, tmp_path)
     params = small_params(source="online", **ONLINE)
-    killed_trainer(params, paths, checkpoint=2)  # in its step-6 checkpoint
+    killed_in_checkpoint(paths, params, 2)  # in its step-6 checkpoint
     record = train(params, paths)
     assert record["resumed_from_step"] == 3
     assert_bitwise(paths.out, reference.out)
@@ -128,7 +122,11 @@ def test_hybrid_interrupted_in_its_first_epoch_resumes_and_later_epochs_read_the
     monkeypatch.chdir(tmp_path)
     paths = online_paths(workspace, token_store, tmp_path)
     params = small_params(source="hybrid", checkpoint_every=1, **ONLINE)
-    killed_trainer(params, paths, checkpoint=3)  # at step 3 of the first epoch's 4
+    killed_in_checkpoint(paths, params, 3)  # at step 3 of the first epoch's 4
+    # its orphaned capture process commits what it stored once it sees the trainer gone
+    deadline = time.monotonic() + 60
+    while not completed_sample_ids(paths.hybrid) and time.monotonic() < deadline:
+        time.sleep(0.1)
     kept = merge_index(paths.hybrid).samples
     assert 0 < kept < 24  # what the first epoch had stored survives the trainer
     record = train(params, paths)

@@ -13,6 +13,17 @@ from eagle3.store.writer import ShardWriter
 from eagle3.target.capture import Capture
 
 
+def load_target(record: dict, device: torch.device, device_map: str | None = None) -> Any:
+    """The target in its own dtype (CPUs too: with AVX512-BF16 a bf16 forward is twice fp32's), on
+    `device`, or spread by `device_map` over the GPUs."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"device_map": device_map} if device_map else {}
+    model = AutoModelForCausalLM.from_pretrained(record["model_path"], dtype=getattr(torch, record["dtype"]),
+                                                 revision=record.get("revision"), **kwargs)
+    return (model if device_map else model.to(device)).eval()
+
+
 def pad_batch(batch: list[Sample], device: torch.device) -> torch.Tensor:
     """Token ids right-padded to the longest sample. No attention mask is needed: under causal
     attention a real position never sees the padding after it, and without a mask the attention

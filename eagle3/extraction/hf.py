@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from eagle3.extraction.forward import forward_batch, store_batch
+from eagle3.extraction.forward import forward_batch, load_target, store_batch
 from eagle3.extraction.params import ExtractParams
 from eagle3.extraction.samples import length_batches
 from eagle3.extraction.store import finish_store, plan_work
@@ -29,16 +29,6 @@ RESPONSES = Path("artifacts/responses/responses.parquet")
 ANSWERED = Path("artifacts/prompts/answered.parquet")  # conversations that keep the dataset's answer
 WORK_DIR = Path("run/extract")
 HIDDEN_DIR = Path("artifacts/hidden")
-
-
-def load_model(record: dict, params: ExtractParams, device: torch.device) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    dtype = getattr(torch, record["dtype"])  # CPUs too: with AVX512-BF16 a bf16 forward is twice fp32's
-    kwargs = {"device_map": params.device_map} if params.device_map else {}
-    model = AutoModelForCausalLM.from_pretrained(record["model_path"], dtype=dtype, revision=record.get("revision"),
-                                                 **kwargs)
-    return (model if params.device_map else model.to(device)).eval()
 
 
 def distributed() -> tuple[int, int]:
@@ -67,7 +57,7 @@ def run_extraction(params: ExtractParams, record: dict, tokenizer: Any, response
     print(f"extract: rank {rank}/{world}: {len(work.share)} of {len(work.samples)} samples, "
           f"{len(work.share) - len(todo)} already stored in {work.dir}; aux layers {work.aux_ids}", file=sys.stderr)
     device = pick_device(params, rank)
-    model = load_model(record, params, device) if todo else None
+    model = load_target(record, device, params.device_map) if todo else None
     capture = Capture(model, work.aux_ids) if model else None
     writer = ShardWriter(work.dir, rank=rank, level=params.zstd_level, shard_bytes=int(params.shard_mb * (1 << 20)),
                          threads=params.compress_threads)

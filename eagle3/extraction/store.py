@@ -13,7 +13,14 @@ from typing import Any
 
 from eagle3.extraction.params import OVER_LENGTH, ExtractError, ExtractParams
 from eagle3.extraction.samples import LAYER_ID_CONVENTION, Sample, fingerprint, load_samples, resolve_aux_ids
-from eagle3.store.layout import completed_sample_ids, merge_index, rank_todo, sample_arrays, write_manifest
+from eagle3.store.layout import (
+    StoreTotals,
+    completed_sample_ids,
+    merge_index,
+    rank_todo,
+    sample_arrays,
+    write_manifest,
+)
 from eagle3.store.writer import ShardWriter
 
 
@@ -60,18 +67,25 @@ def write_token_store(work: Work, out: Path, record: dict, params: ExtractParams
     return finish_store(work, out, record, params, extra={"engine": None}, states=False)
 
 
+def index_and_manifest(root: Path, record: dict, aux_ids: list[int], level: int, states: bool,
+                       extra: dict) -> StoreTotals:
+    """Merges the index parts of every rank and writes the manifest of a store of this target's
+    states (captured by our hooks or the engine: vLLM's layer ids, pre-norm last), or of its tokens."""
+    totals = merge_index(root)
+    hidden = record["hidden_size"]
+    write_manifest(root, model_hash=record["weights_hash"], aux_layer_ids=aux_ids,
+                   layer_id_convention=LAYER_ID_CONVENTION, last_state="pre_norm",
+                   arrays=sample_arrays(len(aux_ids), hidden, states), level=level, totals=totals,
+                   extra={"num_layers": record["num_layers"], "hidden_size": hidden, "states": states, **extra})
+    return totals
+
+
 def finish_store(work: Work, out: Path, record: dict, params: ExtractParams, extra: dict | None = None,
                  states: bool = True) -> dict:
     """Merges the ranks' index parts, writes the manifest and moves the store to `out` (rank 0 only).
     `states` false: a token store (write_token_store), its manifest saying so."""
-    totals = merge_index(work.dir)
-    hidden = record["hidden_size"]
-    arrays = sample_arrays(len(work.aux_ids), hidden, states)
-    write_manifest(work.dir, model_hash=record["weights_hash"], aux_layer_ids=work.aux_ids,
-                   layer_id_convention=LAYER_ID_CONVENTION, last_state="pre_norm", arrays=arrays,
-                   level=params.zstd_level, totals=totals,
-                   extra={"num_layers": record["num_layers"], "hidden_size": hidden, "states": states,
-                          "max_seq_len": params.max_seq_len, **work.counts, **(extra or {})})
+    totals = index_and_manifest(work.dir, record, work.aux_ids, params.zstd_level, states,
+                                {"max_seq_len": params.max_seq_len, **work.counts, **(extra or {})})
     if out.exists():
         shutil.rmtree(out)
     out.parent.mkdir(parents=True, exist_ok=True)

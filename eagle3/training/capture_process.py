@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from eagle3.extraction.forward import forward_states, store_batch
+from eagle3.extraction.forward import forward_states, load_target, store_batch
 from eagle3.extraction.samples import Sample, length_batches
 from eagle3.store.layout import completed_sample_ids
 from eagle3.store.reader import HiddenStore, StatePlanes
@@ -38,14 +38,10 @@ class Superseded(Exception):
     """job.json now asks for something else: drop this job's work and read it again."""
 
 
-def load_target(job: CaptureJob) -> Any:
-    from transformers import AutoModelForCausalLM
-
+def target_with_hooks(job: CaptureJob) -> Any:
     from eagle3.target.record import load_record
 
-    record = load_record(Path(job.target))
-    model = AutoModelForCausalLM.from_pretrained(job.target, dtype=getattr(torch, record["dtype"]))
-    model = model.to(job.device).eval()
+    model = load_target(load_record(Path(job.target)), torch.device(job.device))
     return model, Capture(model, job.aux_layer_ids)
 
 
@@ -135,7 +131,7 @@ def main(argv: list[str]) -> int:
                 return 0
             time.sleep(POLL_S)
             continue
-        target = target or load_target(job)
+        target = target or target_with_hooks(job)
         try:
             run_job(spool, job, target, parent)
             finished = (job.job, job.start)

@@ -21,13 +21,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from eagle3.extraction.store import index_and_manifest
 from eagle3.store.codec import DEFAULT_LEVEL
-from eagle3.store.layout import completed_sample_ids, merge_index, sample_arrays, write_manifest
+from eagle3.store.layout import completed_sample_ids
 from eagle3.store.reader import HiddenStore
 from eagle3.training import capture_process  # run as its own process; imported so its code is train's dependency
 from eagle3.training.data import StoredBatch, batch_loader
 from eagle3.training.params import TrainError, TrainParams
-from eagle3.training.spool import CaptureJob, batch_path, done_path, empty_dir, read_batch, write_job
+from eagle3.training.spool import CaptureJob, batch_path, done_path, empty_dir, read_batch, ready, write_job
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 POLL_S = 0.002
@@ -38,8 +39,7 @@ FILL_ROWS = 64  # samples per job batch when filling the hybrid store (the captu
 
 @dataclass
 class CaptureFigures:
-    wait_s: float = 0.0  # the trainer waiting for a batch of states
-    startup_s: float = 0.0  # of which for the run's first batch: the process starting, the target loading
+    startup_s: float = 0.0  # the trainer's wait for the run's first batch: the process starting, the target loading
     capture_s: float = 0.0  # the capture process computing them
     captured_tokens: int = 0
     batches: int = 0
@@ -124,13 +124,12 @@ class CaptureProcess:
             time.sleep(POLL_S)
 
     def note_prefetch(self, job: CaptureJob) -> None:
-        size = sum(p.stat().st_size for p in self.spool.glob(f"j{job.job}-b*.safetensors"))
+        size = sum(p.stat().st_size for p in ready(self.spool, job.job))
         self.figures.prefetch_peak_bytes = max(self.figures.prefetch_peak_bytes, size)
 
     def account(self, waited: float, batch: StoredBatch, meta: dict[str, float]) -> None:
         f = self.figures
         f.startup_s = f.startup_s if f.batches else waited
-        f.wait_s += waited
         f.capture_s += meta.get("capture_s", 0.0)
         f.captured_tokens += batch.tokens
         f.batches += 1
@@ -186,10 +185,5 @@ def fill_hybrid_store(capture: CaptureProcess, root: Path, tokens: HiddenStore, 
         for _ in capture.run([rows[i : i + FILL_ROWS] for i in range(0, len(rows), FILL_ROWS)], spool=False,
                              store_dir=root):
             pass
-    totals = merge_index(root)
-    m, hidden = tokens.manifest, record["hidden_size"]
-    write_manifest(root, model_hash=m["model_hash"], aux_layer_ids=m["aux_layer_ids"],
-                   layer_id_convention=m["layer_id_convention"], last_state="pre_norm",
-                   arrays=sample_arrays(len(m["aux_layer_ids"]), hidden), level=DEFAULT_LEVEL, totals=totals,
-                   extra={"num_layers": record["num_layers"], "hidden_size": hidden, "states": True, "engine": "hf",
-                          "filled_by": "train.source: hybrid"})
+    index_and_manifest(root, record, tokens.manifest["aux_layer_ids"], DEFAULT_LEVEL, True,
+                       {"engine": "hf", "filled_by": "train.source: hybrid"})
