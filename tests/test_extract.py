@@ -178,3 +178,22 @@ def test_token_store_for_online_training_holds_the_full_stores_tokens_and_no_sta
         got, want = tokens.read_row(row).arrays, full.read_row(row).arrays
         assert all(np.array_equal(got[k], want[k]) for k in ("input_ids", "loss_mask"))
     assert summary["bytes_per_token"] < 8 < full.manifest["stored_bytes"] / full.manifest["tokens"]
+
+
+def test_fp8_store_dtype_stores_fewer_bytes_and_reads_back_close(embedded_target, tokenizer, responses, tmp_path):
+    full_summary, full = run(embedded_target, tokenizer, responses, tmp_path / "full")
+    summary, fp8 = run(embedded_target, tokenizer, responses, tmp_path / "fp8", store_dtype="fp8_e4m3")
+    assert fp8.manifest["codec"]["store_dtype"] == "fp8_e4m3" and summary["store_dtype"] == "fp8_e4m3"
+    assert fp8.manifest["arrays"] == full.manifest["arrays"]  # read back as bf16, the same schema
+    assert summary["bytes_per_token"] < 0.7 * full_summary["bytes_per_token"]
+    for row in range(len(fp8)):
+        got, want = to_torch(fp8.read_row(row)), to_torch(full.read_row(row))
+        assert torch.equal(got["input_ids"], want["input_ids"])
+        for name in ("aux", "last"):
+            a, b = got[name].float(), want[name].float()
+            assert ((a - b).norm() / b.norm()) < 0.03, name  # float8 e4m3's rounding: ~2% of the state's norm
+
+
+def test_unknown_store_dtype_is_refused(embedded_target, tokenizer, responses, tmp_path):
+    with pytest.raises(ExtractError, match="extract.store_dtype='int4': expected one of bf16, fp8_e4m3"):
+        run(embedded_target, tokenizer, responses, tmp_path, store_dtype="int4")

@@ -314,3 +314,51 @@ def test_unknown_codec_is_named() -> None:
                                                  "codec": "lz4", "size": 0}]}).encode()
     with pytest.raises(ValueError, match="array 'aux': unknown codec 'lz4'"):
         codec.decode_sample(struct.pack("<I", len(header)) + header)
+
+
+def test_fp8_store_reads_back_bf16_within_float8_rounding(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    t, groups = 64, 3
+    aux = torch.from_numpy(rng.standard_normal((t, groups, HT * 8)).astype(np.float32))
+    aux *= torch.tensor([0.05, 1.0, 30.0])[:, None]  # layers of different magnitude, one scale each
+    aux[:, 2, 0] = 3000.0  # an outlier channel
+    aux[5] = 0.0  # an all-zero token (scale 1, decodes to zeros)
+    words = aux.reshape(t, -1).to(torch.bfloat16).view(torch.uint16).numpy()
+    sample = {"input_ids": np.arange(t, dtype=np.int32), "loss_mask": np.ones(t, np.uint8), "aux": words,
+              "last": words[:, : HT * 8].copy()}
+    for name, groups_of in (("lossless", None), ("fp8", {"aux": HT * 8, "last": HT * 8})):
+        with ShardWriter(tmp_path / name, fp8_groups=groups_of) as writer:
+            writer.put("s0", sample)
+        stats = writer.close()
+        write_manifest(tmp_path / name, model_hash="m", aux_layer_ids=[1, 2, 3], layer_id_convention="c",
+                       last_state="pre_norm", arrays=stats.schema, level=1, totals=merge_index(tmp_path / name),
+                       store_dtype="fp8_e4m3" if groups_of else "bf16")
+    lossless, fp8 = HiddenStore(tmp_path / "lossless"), HiddenStore(tmp_path / "fp8")
+    assert fp8.manifest["codec"]["floats"] == codec.FP8_CODEC and fp8.manifest["codec"]["store_dtype"] == "fp8_e4m3"
+    values, scales = words.size + sample["last"].size, t * (groups + 1)
+    # at most a byte per value and 4 per scale (zstd shrinks float8 codes a little on real states: 0.86);
+    # the lossless planes keep a raw mantissa byte per value plus the coded top byte
+    assert fp8.manifest["stored_bytes"] < values + 4 * scales + 600 < lossless.manifest["stored_bytes"] - values // 4
+
+    got = fp8.get("s0")
+    assert got.dtypes["aux"] == "bfloat16" and got.arrays["aux"].dtype == np.uint16
+    assert np.array_equal(got.arrays["input_ids"], sample["input_ids"])
+    want = torch.from_numpy(words).view(torch.bfloat16).float().reshape(t, groups, -1)
+    back = torch.from_numpy(got.arrays["aux"]).view(torch.bfloat16).float().reshape(t, groups, -1)
+    scale = want.abs().amax(-1, keepdim=True) / codec.FP8_MAX
+    # e4m3 keeps 3 mantissa bits: half an ulp is 1/16 of the value; below 2^-6 (subnormals) a fixed step
+    # of 2^-10, all times the group's scale; bf16's rounding of the result adds 1/256
+    bound = want.abs() * (1 / 16 + 1 / 256) + scale * 2.0**-10
+    assert ((back - want).abs() <= bound).all()
+    assert (back[5] == 0).all() and torch.equal(back[:, 2, 0], want[:, 2, 0])  # a group's largest is exact
+    assert ((back - want).norm() / want.norm()) < 0.03
+    # the trainer's path (planes kept) joins to the same bits
+    split = to_torch(fp8.read_row(0, keep_planes=True))
+    assert torch.equal(join_planes(split["aux"].top, split["aux"].low).view(torch.int16),
+                       torch.from_numpy(got.arrays["aux"].view(np.int16)))
+
+    bad = dict(sample, aux=words.copy())
+    bad["aux"][3, 7] = 0x7F80  # +inf
+    with pytest.raises(ValueError, match="sample 's1': array 'aux' holds inf or NaN.*store_dtype: bf16"):
+        with ShardWriter(tmp_path / "bad", fp8_groups={"aux": HT * 8}) as writer:
+            writer.put("s1", bad)

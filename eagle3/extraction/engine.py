@@ -32,7 +32,7 @@ from eagle3.engine.client import check_served_model
 from eagle3.engine.state import STATE_DIR, ServerError, ServerState, pid_alive, running_server
 from eagle3.extraction.params import ExtractError, ExtractParams
 from eagle3.extraction.samples import Sample
-from eagle3.extraction.store import Work, finish_store, plan_work
+from eagle3.extraction.store import Work, finish_store, plan_work, store_writer
 from eagle3.metrics import gpus
 from eagle3.progress import Progress
 from eagle3.store.writer import ShardWriter
@@ -266,8 +266,7 @@ def run_engine_extraction(params: ExtractParams, serve: server.ServeParams, reco
             clear_spool(Path(state.capture["spool"]))
             start = time.monotonic()  # the rate counts the engine's work, not its start-up
             progress = Progress("extract", total=total, unit="tokens", done=done)
-            writer = ShardWriter(work.dir, level=params.zstd_level, shard_bytes=int(params.shard_mb * (1 << 20)),
-                                 threads=params.compress_threads)
+            writer = store_writer(params, work, record)
             with writer:
                 asyncio.run(run_capture(params, state, entry, layer_ids, work, record, writer, progress))
         finally:

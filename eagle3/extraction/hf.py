@@ -20,9 +20,8 @@ import torch
 from eagle3.extraction.forward import forward_batch, load_target, store_batch
 from eagle3.extraction.params import ExtractParams
 from eagle3.extraction.samples import length_batches
-from eagle3.extraction.store import finish_store, plan_work
+from eagle3.extraction.store import finish_store, plan_work, store_writer
 from eagle3.progress import Progress
-from eagle3.store.writer import ShardWriter
 from eagle3.target.capture import Capture
 
 RESPONSES = Path("artifacts/responses/responses.parquet")
@@ -59,8 +58,7 @@ def run_extraction(params: ExtractParams, record: dict, tokenizer: Any, response
     device = pick_device(params, rank)
     model = load_target(record, device, params.device_map) if todo else None
     capture = Capture(model, work.aux_ids) if model else None
-    writer = ShardWriter(work.dir, rank=rank, level=params.zstd_level, shard_bytes=int(params.shard_mb * (1 << 20)),
-                         threads=params.compress_threads)
+    writer = store_writer(params, work, record, rank)
     start = time.monotonic()
     with writer:
         pending = None

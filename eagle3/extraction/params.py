@@ -7,6 +7,7 @@ from eagle3.errors import PipelineError
 
 OVER_LENGTH = ("truncate", "skip")
 ENGINES = ("hf", "vllm")
+STORE_DTYPES = ("bf16", "fp8_e4m3")  # how the states are stored (eagle3/store/codec.py); both read back as bf16
 # train.source: where the trainer's states come from; all but "store" leave extract storing token ids only
 TRAIN_SOURCES = ("store", "online", "hybrid")
 
@@ -22,6 +23,7 @@ class ExtractParams:
     over_length: str  # truncate | skip
     max_tokens_per_batch: int  # padded tokens per forward
     zstd_level: int
+    store_dtype: str  # bf16: lossless | fp8_e4m3: float8 with a scale per token and layer (lossy, 0.43 of bf16's bytes)
     shard_mb: float
     compress_threads: int
     device: str  # auto | cpu | cuda

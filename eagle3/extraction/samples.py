@@ -95,7 +95,7 @@ def fingerprint(record: dict, aux_ids: list[int], params: ExtractParams, inputs:
                 extra: dict | None = None) -> str:
     key = {"weights": record["weights_hash"], "aux": aux_ids, "responses": sha256_files(inputs),
            "max_seq_len": params.max_seq_len, "over_length": params.over_length, "level": params.zstd_level,
-           **(extra or {})}
+           "store_dtype": params.store_dtype, **(extra or {})}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
 
 

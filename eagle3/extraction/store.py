@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle3.extraction.params import OVER_LENGTH, ExtractError, ExtractParams
+from eagle3.extraction.params import OVER_LENGTH, STORE_DTYPES, ExtractError, ExtractParams
 from eagle3.extraction.samples import LAYER_ID_CONVENTION, Sample, fingerprint, load_samples, resolve_aux_ids
 from eagle3.store.layout import (
     StoreTotals,
@@ -43,6 +43,8 @@ def plan_work(params: ExtractParams, record: dict, tokenizer: Any, responses: Pa
     too). `extra_key` joins the fingerprint: states from another engine never resume into this store."""
     if params.over_length not in OVER_LENGTH:
         raise ExtractError(f"extract.over_length={params.over_length!r}: expected one of {', '.join(OVER_LENGTH)}")
+    if params.store_dtype not in STORE_DTYPES:
+        raise ExtractError(f"extract.store_dtype={params.store_dtype!r}: expected one of {', '.join(STORE_DTYPES)}")
     aux_ids = resolve_aux_ids(params, record)
     samples, counts = load_samples(responses, answered, tokenizer, record["vocab_size"], params, max_len)
     if not samples:
@@ -57,18 +59,25 @@ def plan_work(params: ExtractParams, record: dict, tokenizer: Any, responses: Pa
     return Work(work, aux_ids, samples, share, todo, counts)
 
 
+def store_writer(params: ExtractParams, work: Work, record: dict, rank: int = 0) -> ShardWriter:
+    """The writer of one rank's shards, its states coded as extract.store_dtype says (fp8: one scale
+    per token and layer: `aux` holds one hidden-wide state per aux layer)."""
+    groups = {"aux": record["hidden_size"], "last": record["hidden_size"]} if params.store_dtype == "fp8_e4m3" else None
+    return ShardWriter(work.dir, rank=rank, level=params.zstd_level, shard_bytes=int(params.shard_mb * (1 << 20)),
+                       threads=params.compress_threads, fp8_groups=groups)
+
+
 def write_token_store(work: Work, out: Path, record: dict, params: ExtractParams) -> dict:
     """The store without states: each sample's token ids and loss mask (4 bytes a token before zstd),
     what an online or hybrid training run plans its batches from and its capture process reads."""
-    with ShardWriter(work.dir, level=params.zstd_level, shard_bytes=int(params.shard_mb * (1 << 20)),
-                     threads=params.compress_threads) as writer:
+    with store_writer(params, work, record) as writer:
         for sample in work.todo:
             writer.put(sample.id, {"input_ids": sample.input_ids, "loss_mask": sample.loss_mask})
     return finish_store(work, out, record, params, extra={"engine": None}, states=False)
 
 
 def index_and_manifest(root: Path, record: dict, aux_ids: list[int], level: int, states: bool,
-                       extra: dict) -> StoreTotals:
+                       extra: dict, store_dtype: str = "bf16") -> StoreTotals:
     """Merges the index parts of every rank and writes the manifest of a store of this target's
     states (captured by our hooks or the engine: vLLM's layer ids, pre-norm last), or of its tokens."""
     totals = merge_index(root)
@@ -76,6 +85,7 @@ def index_and_manifest(root: Path, record: dict, aux_ids: list[int], level: int,
     write_manifest(root, model_hash=record["weights_hash"], aux_layer_ids=aux_ids,
                    layer_id_convention=LAYER_ID_CONVENTION, last_state="pre_norm",
                    arrays=sample_arrays(len(aux_ids), hidden, states), level=level, totals=totals,
+                   store_dtype=store_dtype,
                    extra={"num_layers": record["num_layers"], "hidden_size": hidden, "states": states, **extra})
     return totals
 
@@ -85,7 +95,8 @@ def finish_store(work: Work, out: Path, record: dict, params: ExtractParams, ext
     """Merges the ranks' index parts, writes the manifest and moves the store to `out` (rank 0 only).
     `states` false: a token store (write_token_store), its manifest saying so."""
     totals = index_and_manifest(work.dir, record, work.aux_ids, params.zstd_level, states,
-                                {"max_seq_len": params.max_seq_len, **work.counts, **(extra or {})})
+                                {"max_seq_len": params.max_seq_len, **work.counts, **(extra or {})},
+                                params.store_dtype if states else "bf16")
     if out.exists():
         shutil.rmtree(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -93,4 +104,4 @@ def finish_store(work: Work, out: Path, record: dict, params: ExtractParams, ext
     return {"samples": totals.samples, "tokens": totals.tokens, "loss_tokens": totals.loss_tokens,
             "raw_bytes": totals.raw_bytes, "stored_bytes": totals.stored_bytes, "shards": totals.shards,
             "bytes_per_token": round(totals.stored_bytes / max(totals.tokens, 1), 1),
-            "stored_over_raw": round(totals.stored_over_raw, 4)}
+            "stored_over_raw": round(totals.stored_over_raw, 4), "store_dtype": params.store_dtype if states else None}

@@ -5,6 +5,11 @@ and stored size, then the arrays' stored bytes in header order. Float arrays are
 planes: the top byte (sign + high exponent bits) channel-major and zstd-coded, the lower bytes
 (mantissa noise no coder shrinks) stored raw. The index keeps each blob's CRC-32; the reader
 checks it before decoding.
+
+Lossy (extract.store_dtype: fp8_e4m3): a bf16 state array is stored as float8 e4m3 with one fp32
+scale per token and group of channels (a group is one layer's state: aux concatenates layers whose
+magnitudes differ tenfold), then zstd-coded token-major; it decodes back to bf16, so readers see
+the same dtype either way.
 """
 
 from __future__ import annotations
@@ -23,6 +28,10 @@ import zstandard
 FORMAT = "eagle3-hidden-store/1"
 PLANES_CODEC = "top-byte-channel-major+zstd/low-bytes-raw"
 PLAIN_CODEC = "zstd"
+FP8_CODEC = "fp8_e4m3-per-token-group-scale+zstd"
+FP8_MAX = 448.0  # the largest finite float8 e4m3fn
+# extract.store_dtype -> the codec of the stored states
+STATE_CODECS = {"bf16": PLANES_CODEC, "fp8_e4m3": FP8_CODEC}
 CHECKSUM = "crc32"
 DEFAULT_LEVEL = 1
 # The top-byte plane is compressed with the level's settings but long, rarely-found matches:
@@ -117,6 +126,29 @@ def from_planes(top: np.ndarray, low: np.ndarray, dtype: np.dtype, shape: tuple[
     return out.view(dtype).reshape(shape)
 
 
+def to_fp8(data: np.ndarray, group: int, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(scales [tokens, groups] fp32, float8 e4m3 bytes [tokens, channels]) of bf16 words [tokens,
+    channels]: each token's group of `group` channels scaled so its largest magnitude is FP8_MAX."""
+    tokens, channels = data.shape[0], int(np.prod(data.shape[1:]))
+    if channels % group:
+        raise ValueError(f"array {name!r}: {channels} channels do not split into groups of {group}")
+    x = torch.from_numpy(data.reshape(tokens, channels // group, group)).view(torch.bfloat16).float()
+    if not torch.isfinite(x).all():
+        raise ValueError(f"array {name!r} holds inf or NaN, which float8 e4m3 cannot store "
+                         "(extract.store_dtype: bf16 keeps them)")
+    amax = x.abs().amax(-1, keepdim=True)
+    scales = torch.where(amax > 0, amax / FP8_MAX, 1.0)
+    codes = (x / scales).to(torch.float8_e4m3fn).view(torch.uint8).reshape(tokens, channels)
+    return scales.reshape(tokens, -1).numpy(), codes.numpy()
+
+
+def from_fp8(scales: np.ndarray, codes: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Inverse of to_fp8, up to float8's rounding: bf16 words (uint16) of `shape`."""
+    tokens, groups = scales.shape
+    x = torch.from_numpy(codes).view(torch.float8_e4m3fn).reshape(tokens, groups, -1).float()
+    return (x * torch.from_numpy(scales)[..., None]).to(torch.bfloat16).view(torch.uint16).numpy().reshape(shape)
+
+
 def _decompress(dctx: zstandard.ZstdDecompressor, stored: memoryview, size: int, name: str) -> np.ndarray:
     """The `size` bytes a zstd frame holds, decoded straight into a writable array (torch wants one)."""
     out = np.empty(size, np.uint8)
@@ -145,8 +177,10 @@ def encode_sample(
     arrays: Mapping[str, np.ndarray],
     dtypes: Mapping[str, str],
     cctx: zstandard.ZstdCompressor,
+    fp8_groups: Mapping[str, int] | None = None,
 ) -> EncodedSample:
-    """Compresses one sample into a checksummed blob; `dtypes` maps every array to its dtype name."""
+    """Compresses one sample into a checksummed blob; `dtypes` maps every array to its dtype name.
+    `fp8_groups`: bf16 arrays stored lossily as float8 e4m3, with the channels per scale of each."""
     entries: list[dict[str, Any]] = []
     payloads: list[bytes | memoryview] = []
     raw_bytes = 0
@@ -154,7 +188,13 @@ def encode_sample(
         dtype = dtypes[name]
         data = np.ascontiguousarray(arr, dtype=storage_dtype(dtype))
         entry = {"name": name, "dtype": dtype, "shape": list(data.shape)}
-        if uses_planes(dtype) and data.size:
+        group = (fp8_groups or {}).get(name)
+        if group and dtype == "bfloat16" and data.size:
+            scales, codes = to_fp8(data, group, name)
+            stored = cctx.compress(codes)
+            entry.update(codec=FP8_CODEC, group=group, scales_size=scales.nbytes, size=scales.nbytes + len(stored))
+            payloads += [scales.tobytes(), stored]
+        elif uses_planes(dtype) and data.size:
             top, low = to_planes(data)
             stored_top = cctx.compress(top)
             entry.update(codec=PLANES_CODEC, top_size=len(stored_top), size=len(stored_top) + low.nbytes)
@@ -200,12 +240,21 @@ def decode_sample(blob: bytes | memoryview | np.ndarray, keep_planes: bool = Fal
             top = _decompress(dctx, stored[: entry["top_size"]], count, name).reshape(-1, tokens)
             planes = Planes(top, np.frombuffer(low, np.uint8).reshape(tokens, -1, dtype.itemsize - 1), dtype, shape)
             arrays[name] = planes if keep_planes else planes.join()
+        elif entry["codec"] == FP8_CODEC:
+            tokens, groups = shape[0], count // shape[0] // entry["group"]
+            if entry["scales_size"] != tokens * groups * 4:
+                raise ValueError(f"array {name!r} has {entry['scales_size']} scale bytes, shape {shape} and "
+                                 f"group {entry['group']} say {tokens * groups * 4}")
+            scales = np.frombuffer(stored[: entry["scales_size"]], "<f4").reshape(tokens, groups)
+            codes = _decompress(dctx, stored[entry["scales_size"] :], count, name)
+            words = from_fp8(scales, codes, shape)
+            arrays[name] = Planes(*to_planes(words), dtype, shape) if keep_planes else words
         elif entry["codec"] == PLAIN_CODEC:
             raw = _decompress(dctx, stored, dtype.itemsize * count, name) if count else np.empty(0, np.uint8)
             arrays[name] = raw.view(dtype).reshape(shape)
         else:
             raise ValueError(f"array {name!r}: unknown codec {entry['codec']!r} (this reader knows "
-                             f"{PLANES_CODEC!r} and {PLAIN_CODEC!r})")
+                             f"{PLANES_CODEC!r}, {FP8_CODEC!r} and {PLAIN_CODEC!r})")
         dtypes[name] = entry["dtype"]
     if pos != len(view):
         raise ValueError(f"blob has {len(view) - pos} bytes after its last array")

@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eagle3.atomic import atomic_write_bytes, parquet_bytes
-from eagle3.store.codec import CHECKSUM, FORMAT, PLAIN_CODEC, PLANES_CODEC, ArraySpec
+from eagle3.store.codec import CHECKSUM, FORMAT, PLAIN_CODEC, STATE_CODECS, ArraySpec
 
 INDEX_NAME = "index.parquet"
 MANIFEST_NAME = "manifest.json"
@@ -154,8 +154,10 @@ def write_manifest(
     level: int,
     totals: StoreTotals,
     extra: Mapping[str, Any] | None = None,
+    store_dtype: str = "bf16",
 ) -> dict[str, Any]:
     """Writes `manifest.json`: what the stored states are, how they are coded, how much there is.
+    `store_dtype` (STATE_CODECS): how the float states were stored; they read back as bf16 either way.
 
     `last_state` is "pre_norm" (engine-style capture) or "post_norm" (HF's last hidden_states);
     the trainer applies the final norm only to the former.
@@ -173,7 +175,8 @@ def write_manifest(
             for name, spec in arrays.items()
         },
         "codec": {
-            "floats": PLANES_CODEC,
+            "floats": STATE_CODECS[store_dtype],
+            "store_dtype": store_dtype,
             "others": PLAIN_CODEC,
             "zstd_level": level,
             "checksum": CHECKSUM,

@@ -135,6 +135,7 @@ class ShardWriter:
         threads: int = 2,
         max_pending: int | None = None,
         dtype_names: Mapping[str, str] = DEFAULT_DTYPE_NAMES,
+        fp8_groups: Mapping[str, int] | None = None,
     ) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -143,6 +144,7 @@ class ShardWriter:
         self.shard_bytes = shard_bytes
         self.shard_samples = shard_samples
         self._dtype_names = dict(dtype_names)
+        self._fp8_groups = dict(fp8_groups or {})
         self._next_seq = _prepare_rank_dir(self.root, rank)
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="hidden-compress")
@@ -223,7 +225,10 @@ class ShardWriter:
         if cctx is None:  # compressor objects are not thread-safe: one per thread
             cctx = self._local.cctx = compressor(self.level)
         dtypes = {name: spec.dtype for name, spec in self._stats.schema.items()}
-        return encode_sample(sample_id, arrays, dtypes, cctx)
+        try:
+            return encode_sample(sample_id, arrays, dtypes, cctx, self._fp8_groups)
+        except ValueError as exc:  # a value the codec cannot store (fp8: inf or NaN)
+            raise ValueError(f"{self.root}: sample {sample_id!r}: {exc}") from exc
 
     def _drain(self) -> None:
         """Writer thread: appends encoded samples in put order, rotating shards."""
