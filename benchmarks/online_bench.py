@@ -3,23 +3,30 @@
 A random-weights target at Llama-3.1-8B geometry (32 layers, hidden 4096, vocab 128256, bf16) is
 written to disk, with a token store of random ids (--samples x --seq tokens, the second half of
 each sample "generated") and a draft vocabulary of 32000; then the train stage's own code
-(eagle3.training.loop.train) trains one epoch with train.source: online and the llama-3.1-8b
-profile's train params, the capture process (the HF forward of the extract stage) on the same GPU
-as the trainer. Printed and written (--out): the train metrics' `states` (stall share, with and
-without the capture's start-up, capture tokens/s, prefetch peak, both processes' peak RSS) and the
-training tokens/s. Random weights: the time of each forward is the real one, the states are not.
+(eagle3.training.loop.train) trains with train.source: online (one epoch) or hybrid (--source
+hybrid --epochs 2: the first epoch online, the second from the store it filled, the same batches)
+and the llama-3.1-8b profile's train params, the capture process (the HF forward of the extract
+stage) on the same GPU as the trainer. Printed and written (--out): the train metrics' `states`
+(stall share, with and without the capture's start-up, capture tokens/s, prefetch peak, both
+processes' peak RSS), the training tokens/s, and per epoch and per step the tokens, seconds and
+seconds waiting for states (the curve's loop_s / wait_s at every step). Random weights: the time
+of each forward is the real one, the states are not.
 
   python benchmarks/online_bench.py --out benchmarks/results/online-h200.json
+  python benchmarks/online_bench.py --source hybrid --epochs 2 --samples 192 --out benchmarks/results/hybrid-h200.json
   python benchmarks/online_bench.py --geometry tiny --samples 16 --seq 64     (CPU smoke run)
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import dataclasses
 import json
+import math
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -89,12 +96,35 @@ def write_vocab(folder: Path, vocab: int, draft: int) -> None:
     np.save(folder / "t2d.npy", t2d)
 
 
+def per_epoch(curve: list[dict[str, str]]) -> dict:
+    """Tokens/s and the share of time waiting for states of each epoch, and every step's
+    (epoch, tokens, seconds, seconds waiting), from a curve logged at every step."""
+    steps, before = [], {"tokens": 0.0, "loop_s": 0.0, "wait_s": 0.0}
+    for row in curve:
+        now = {key: float(row[key]) for key in before}
+        steps.append({"epoch": math.ceil(float(row["epoch"])) - 1, "tokens": int(now["tokens"] - before["tokens"]),
+                      "s": round(now["loop_s"] - before["loop_s"], 3),
+                      "wait_s": round(now["wait_s"] - before["wait_s"], 3)})
+        before = now
+    epochs = []
+    for epoch in sorted({s["epoch"] for s in steps}):
+        mine = [s for s in steps if s["epoch"] == epoch]
+        seconds, waited, tokens = (sum(s[k] for s in mine) for k in ("s", "wait_s", "tokens"))
+        epochs.append({"epoch": epoch, "steps": len(mine), "tokens_per_s": round(tokens / seconds),
+                       "stall_share": round(waited / seconds, 4),
+                       "median_step_s": round(statistics.median(s["s"] for s in mine), 3),
+                       "median_wait_s": round(statistics.median(s["wait_s"] for s in mine), 3)})
+    return {"epochs": epochs, "per_step": steps}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--geometry", choices=GEOMETRIES, default="llama-3.1-8b")
     parser.add_argument("--samples", type=int, default=384)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--prefetch", type=int, default=4)
+    parser.add_argument("--source", choices=("online", "hybrid"), default="online")
+    parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the drafter (its time counts in the loop)")
     parser.add_argument("--out")
@@ -112,7 +142,8 @@ def main() -> None:
         profile = load_section("train", TrainParams, REPO / "profiles/llama-3.1-8b.yaml")
         small = args.geometry == "tiny"
         params = dataclasses.replace(
-            profile, source="online", epochs=1, eval_fraction=0.0, checkpoint_every=10**9, compile=args.compile,
+            profile, source=args.source, epochs=args.epochs, eval_fraction=0.0, checkpoint_every=10**9, log_every=1,
+            compile=args.compile,
             prefetch_batches=args.prefetch, warmup_steps=2, max_seq_len=args.seq,
             max_tokens_per_batch=256 if small else profile.max_tokens_per_batch,
             capture_max_tokens=256 if small else profile.capture_max_tokens,
@@ -124,6 +155,8 @@ def main() -> None:
         os.chdir(root)  # metrics/ lands in the temporary directory
         try:
             metrics = train(params, paths)
+            with open(paths.curve) as f:
+                curve = list(csv.DictReader(f))
         finally:
             os.chdir(cwd)
     result = {"benchmark": "online", "prefetch_dir": params.prefetch_dir or "run/ (disk)",
@@ -132,7 +165,7 @@ def main() -> None:
               "max_tokens_per_batch": params.max_tokens_per_batch, "prefetch_batches": params.prefetch_batches,
               "ttt_steps": params.ttt_steps, "compile": params.compile, "setup_s": round(setup_s, 1),
               "steps": metrics["steps"], "train_tokens_per_s": metrics["train_tokens_per_s"],
-              "wall_s": metrics["wall_s"], "states": metrics["states"]}
+              "wall_s": metrics["wall_s"], "states": metrics["states"], **per_epoch(curve)}
     print(json.dumps(result, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -333,3 +333,24 @@ def test_plan_lists_the_three_sources_with_their_disk(capsys):
     out = capsys.readouterr().out
     rows = [line.split()[0] for line in out.splitlines() if line.split()[:1] in (["store"], ["online"], ["hybrid"])]
     assert sorted(rows) == ["hybrid", "online", "store"] and "capture_gpus" in out
+
+
+def test_fp8_store_is_priced_from_an_fp8_run_and_a_token_store_calibrates_no_ratio(tmp_path):
+    metrics = embedded_run(tmp_path)
+    extract = json.loads((metrics / "extract.json").read_text())
+    (metrics / "extract.json").write_text(json.dumps({**extract, "store_dtype": "fp8_e4m3", "stored_over_raw": 0.43}))
+    cal = calibrate([metrics], PROFILES)
+    assert cal.stored_over_raw == {"bf16": [], "fp8_e4m3": [(0.43, str(metrics / "extract.json"))]}
+    target, hw = load_target("llama-3.1-8b", PROFILES), load_hardware("h200-8", PROFILES)
+    work = model.Workload(samples=1000, prompt_tokens=500, completion_tokens=1500)
+    fp8 = plan.project(target, hw, replace(work, store_dtype="fp8_e4m3"), cal)
+    bf16 = plan.project(target, hw, work, cal)  # no bf16 run given: the default ratio, said so
+    assert fp8.hidden_bytes == pytest.approx(model.hidden_store_bytes(target, work.tokens, 0.43))
+    assert bf16.hidden_bytes == pytest.approx(model.hidden_store_bytes(target, work.tokens, 0.69))
+    assert "default bf16 stored/raw" in bf16.stages[-1].note and "(fp8_e4m3)" in fp8.stages[-1].note
+
+    (metrics / "extract.json").write_text(json.dumps({**extract, "store_dtype": None}))  # train.source: online
+    assert calibrate([metrics], PROFILES).stored_over_raw == {"bf16": [], "fp8_e4m3": []}
+    (metrics / "extract.json").write_text(json.dumps({**extract, "store_dtype": "fp4"}))
+    with pytest.raises(CalibrationError, match=r"extract.json: store_dtype 'fp4', expected one of \['bf16', 'fp8_e4m3'\]"):
+        calibrate([metrics], PROFILES)

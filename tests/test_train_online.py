@@ -155,6 +155,16 @@ def test_capture_gpus_puts_each_ranks_capture_on_the_first_gpus_and_sharing_keep
     assert [online.capture_device("cuda", rank, 2) for rank in range(6)] == ["cuda:0", "cuda:1"] * 3
 
 
+def test_hybrid_store_compresses_with_half_the_hosts_cores_shared_by_its_ranks(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert online.store_compress_threads() == 8  # one H200 box: the trainer and capture keep the other 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert online.store_compress_threads() == 2  # never fewer than the writer's default
+    monkeypatch.setattr(os, "cpu_count", lambda: 128)
+    assert online.store_compress_threads() == 8
+
+
 def test_source_and_capture_params_are_checked_by_name():
     from eagle3.training.params import check_params
 

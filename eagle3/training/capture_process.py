@@ -83,7 +83,7 @@ def run_job(spool: Path, job: CaptureJob, target: Any, parent: int) -> None:
     if job.store_dir:
         stored = completed_sample_ids(job.store_dir)
         # small shards: a crash loses at most one uncommitted shard, which the filling then captures again
-        writer = ShardWriter(job.store_dir, rank=job.rank, shard_bytes=64 << 20)
+        writer = ShardWriter(job.store_dir, rank=job.rank, shard_bytes=64 << 20, threads=job.compress_threads)
     try:
         for seq in range(job.start, len(job.batches)):
             path = batch_path(spool, job.job, seq)

@@ -301,7 +301,9 @@ def loop(run: Run) -> tuple[int, int, float]:
         if state.step % params.log_every == 0 or last:
             dist.all_reduce(window[:2])
             row = {"step": state.step, "epoch": round(epoch + (in_epoch + 1) / len(plan.epochs[epoch]), 4),
-                   "lr": lr, "grad_norm": float(grad_norm), "tokens": state.tokens, **step_row(*window, run.decay)}
+                   "lr": lr, "grad_norm": float(grad_norm), "tokens": state.tokens, **step_row(*window, run.decay),
+                   # seconds into this process's loop (0 again where a run resumed), and of them waiting for states
+                   "loop_s": round(time.monotonic() - started, 3), "wait_s": round(run.wait_s - waited, 3)}
             if not math.isfinite(row["loss"]):
                 raise TrainError(f"loss is {row['loss']} at step {state.step}")
             state.curve.append(row)

@@ -48,6 +48,7 @@ class CaptureJob:
     spool: bool  # false: only the store writes (hybrid's filling of samples no training batch captured)
     store_dir: str | None  # hybrid: each captured sample's states also go into this store
     rank: int
+    compress_threads: int = 2  # hybrid: the store writer's zstd threads
     stop: bool = False
 
 

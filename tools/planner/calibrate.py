@@ -42,7 +42,8 @@ class Measurement:
 @dataclass
 class Calibration:
     measurements: list[Measurement] = field(default_factory=list)
-    stored_over_raw: list[tuple[float, str]] = field(default_factory=list)
+    # extract.store_dtype -> measured stored/raw ratios of the hidden store
+    stored_over_raw: dict[str, list[tuple[float, str]]] = field(default_factory=lambda: {"bf16": [], "fp8_e4m3": []})
     compress_mb_s_per_core: list[tuple[float, str]] = field(default_factory=list)
     unused: list[str] = field(default_factory=list)  # sources that measured nothing usable, and why
 
@@ -140,7 +141,11 @@ def generate_measurement(m: dict, path: Path, hw: Hardware, target: Target, weig
 
 def extract_measurement(m: dict, path: Path, hw: Hardware, target: Target, weights: str, params: dict,
                         params_path: Path, cal: Calibration) -> None:
-    cal.stored_over_raw.append((key(m, "stored_over_raw", path), str(path)))
+    store_dtype = m.get("store_dtype", "bf16")  # runs before extract.store_dtype stored bf16
+    if store_dtype is not None and store_dtype not in cal.stored_over_raw:
+        raise CalibrationError(f"{path}: store_dtype {store_dtype!r}, expected one of {sorted(cal.stored_over_raw)}")
+    if store_dtype is not None:  # None: a token store (train.source online/hybrid), no states to measure
+        cal.stored_over_raw[store_dtype].append((key(m, "stored_over_raw", path), str(path)))
     new = key(m, "new_tokens", path)
     if not new:
         cal.unused.append(f"{path}: a resumed run that extracted nothing new (new_tokens 0); "
@@ -178,7 +183,7 @@ def from_benchmark(path: Path, record: dict[str, Any], cal: Calibration, root: P
             "extract", str(path), hw, target.name,
             model.extraction_roofline_s(target, hw, tokens, key(record, "seq", path), "bf16"),
             tokens / key(record, "ours_tokens_per_s", path)))
-        cal.stored_over_raw.append((key(record, "ours_stored_over_raw", path), str(path)))
+        cal.stored_over_raw["bf16"].append((key(record, "ours_stored_over_raw", path), str(path)))
     elif "engine_tokens_per_s" in record:  # benchmarks/extract_engines.py: both paths on one store
         g = key(record, "geometry", path)
         target = match_target(g["hidden_size"], g["vocab_size"], g["num_layers"], str(path), root)

@@ -31,6 +31,7 @@ class Workload:
     tokens_per_device_step: int = 16384  # training tokens per GPU per optimizer step
     link_gbit_s: float = 10.0  # network of the rented box: target weights in, hidden store out
     extract_engine: str = "vllm"  # vllm: the serving engine extracts, every GPU busy; hf: transformers
+    store_dtype: str = "bf16"  # extract.store_dtype: bf16 (lossless) | fp8_e4m3
 
     @property
     def seq_len(self) -> float:
