@@ -63,6 +63,7 @@ from eagle3.metrics import machine_info  # noqa: E402
 from eagle3.model.drafter import Drafter, DrafterConfig, RMSNorm  # noqa: E402
 from eagle3.params import load_section  # noqa: E402
 from eagle3.store.reader import StatePlanes  # noqa: E402
+from eagle3.target.compute import cpu_computes  # noqa: E402
 from eagle3.training.data import Batch, collate  # noqa: E402
 from eagle3.training.loop import Dist, Run, distribute, init_distributed, make_optimizer, train_step
 from eagle3.training.objective import DraftLoss
@@ -238,7 +239,9 @@ def ours_ranks(g: Geometry, data: Data, dist: Dist, compiled: bool, fsdp: bool) 
     # stage's data pipeline and checkpoints, which this benchmark replaces with one resident batch.
     unused: Any = None
     run = Run(params=params, paths=Paths(), dist=dist, inputs=unused, plan=unused, loss=parts.loss, model=model,
-              optimizer=optimizer, state=unused, dtype=dtype, decay=decay)
+              optimizer=optimizer, state=unused, dtype=dtype,
+              bf16_autocast=dist.device.type == "cuda" or (params.cpu_bf16 and cpu_computes(torch.bfloat16)),
+              decay=decay, capture=None)
     return lambda: train_step(run, [parts.batch], params.lr), parts.loss
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pyarrow as pa
@@ -197,3 +198,29 @@ def test_fp8_store_dtype_stores_fewer_bytes_and_reads_back_close(embedded_target
 def test_unknown_store_dtype_is_refused(embedded_target, tokenizer, responses, tmp_path):
     with pytest.raises(ExtractError, match="extract.store_dtype='int4': expected one of bf16, fp8_e4m3"):
         run(embedded_target, tokenizer, responses, tmp_path, store_dtype="int4")
+
+
+def test_a_cpu_without_bf16_instructions_computes_in_float32_into_a_store_of_its_own(
+        embedded_target, tokenizer, responses, tmp_path, monkeypatch, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from eagle3.target import compute
+
+    bf16_target = (embedded_target[0], {**embedded_target[1], "dtype": "bfloat16"})  # the target stage's default
+    monkeypatch.setattr(compute, "cpu_computes", lambda dtype: True)
+    native, _ = run(bf16_target, tokenizer, responses, tmp_path)
+    monkeypatch.setattr(compute, "cpu_computes", lambda dtype: dtype == torch.float32)
+    emulated, store = run(bf16_target, tokenizer, responses, tmp_path)
+    assert (native["compute_dtype"], emulated["compute_dtype"]) == ("bfloat16", "float32")
+    # a work directory of its own: a crashed bf16-computed run never resumes into a float32-computed one
+    work_dirs = re.findall(r"already stored in (\S+);", capsys.readouterr().err)
+    assert len(work_dirs) == 2 and work_dirs[0] != work_dirs[1]
+    assert store.manifest["arrays"]["aux"]["dtype"] == "bfloat16"  # stored as bf16 all the same
+    model = AutoModelForCausalLM.from_pretrained(embedded_target[0], dtype=torch.float32).eval()
+    sample = to_torch(store.get("p3:0"))
+    with torch.no_grad():
+        hidden = model(torch.from_numpy(sample["input_ids"].numpy().astype(np.int64))[None],
+                       output_hidden_states=True).hidden_states
+    expected = torch.cat([hidden[i][0] for i in (2, 15, 27)], dim=-1)
+    # float32 states rounded once to bf16 (2^-8 relative), not bf16 arithmetic's drift through 27 layers
+    torch.testing.assert_close(sample["aux"].float(), expected, atol=1e-3, rtol=2**-8)

@@ -358,7 +358,12 @@ def test_mla_drafter_run_learns_and_writes_a_valid_mla_drafter(trained, workspac
         train(small_params(init_from=str(paths.out), epochs=1), paths_for(workspace, tmp_path / "again"))
 
 
-def test_cpu_bf16_runs_the_drafter_in_bf16_and_learns_as_fp32_does(trained, workspace, tmp_path, monkeypatch):
+@pytest.mark.parametrize("instructions", [True, False], ids=["bf16-cpu", "avx512-only-cpu"])
+def test_cpu_bf16_runs_the_drafter_in_bf16_where_the_cpu_computes_it_and_learns_as_fp32_does(
+        trained, workspace, tmp_path, monkeypatch, instructions):
+    from eagle3.training import loop
+
+    monkeypatch.setattr(loop, "cpu_computes", lambda dtype: instructions)  # else emulated: 4x slower than fp32
     monkeypatch.chdir(tmp_path)
     seen: set[torch.dtype] = set()
     original = Drafter.step
@@ -370,7 +375,8 @@ def test_cpu_bf16_runs_the_drafter_in_bf16_and_learns_as_fp32_does(trained, work
 
     monkeypatch.setattr(Drafter, "step", step)
     record = train(small_params(cpu_bf16=True), paths_for(workspace, tmp_path))
-    assert seen == {torch.bfloat16}
+    assert seen == {torch.bfloat16 if instructions else torch.float32}
+    assert record["compute"] == ("bf16 autocast" if instructions else "float32")
     fp32 = trained[1]["final"]
     assert record["final"]["train"]["top1"][0] > 0.15
     assert abs(record["final"]["train"]["loss"][0] - fp32["train"]["loss"][0]) < 0.1 * fp32["train"]["loss"][0]

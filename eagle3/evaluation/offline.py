@@ -19,6 +19,7 @@ from eagle3.model.checkpoint import load_drafter
 from eagle3.progress import Progress
 from eagle3.target.capture import Capture
 from eagle3.target.chat import render
+from eagle3.target.compute import compute_dtype
 
 
 class Answer(NamedTuple):
@@ -79,9 +80,12 @@ def load_target(record: dict) -> Any:
     # On CPU, eager attention: SDPA's CPU kernel is slow for one query under the left-padding mask of
     # batched decoding (1.5x the greedy answers' time here). Eager materialises [B, heads, T, T]
     # scores only while prefilling the prompts; GPUs keep SDPA, where long second turns would make that large.
-    placement = {"device_map": "auto"} if torch.cuda.is_available() else {"attn_implementation": "eager"}
-    return AutoModelForCausalLM.from_pretrained(record["model_path"], dtype=getattr(torch, record["dtype"]),
-                                                **placement).eval()
+    # On a CPU without instructions for the target's dtype, float32 (eagle3/target/compute.py).
+    gpu = torch.cuda.is_available()
+    placement = {"device_map": "auto"} if gpu else {"attn_implementation": "eager"}
+    own = getattr(torch, record["dtype"])
+    return AutoModelForCausalLM.from_pretrained(record["model_path"], **placement,
+                                                dtype=own if gpu else compute_dtype(own, torch.device("cpu"))).eval()
 
 
 class OfflineEvaluator:

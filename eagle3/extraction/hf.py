@@ -17,12 +17,13 @@ from typing import Any
 
 import torch
 
-from eagle3.extraction.forward import forward_batch, load_target, store_batch
+from eagle3.extraction.forward import forward_batch, load_target, store_batch, target_dtype
 from eagle3.extraction.params import ExtractParams
 from eagle3.extraction.samples import length_batches
 from eagle3.extraction.store import finish_store, plan_work, store_writer
 from eagle3.progress import Progress
 from eagle3.target.capture import Capture
+from eagle3.target.compute import cpu_note
 
 RESPONSES = Path("artifacts/responses/responses.parquet")
 ANSWERED = Path("artifacts/prompts/answered.parquet")  # conversations that keep the dataset's answer
@@ -48,14 +49,19 @@ def pick_device(params: ExtractParams, rank: int) -> torch.device:
 def run_extraction(params: ExtractParams, record: dict, tokenizer: Any, responses: Path = RESPONSES,
                    out: Path = HIDDEN_DIR, work_root: Path = WORK_DIR, answered: Path | None = None) -> dict[str, Any]:
     rank, world = distributed()
-    work = plan_work(params, record, tokenizer, responses, answered, work_root, rank, world)
+    device = pick_device(params, rank)
+    own, computes = getattr(torch, record["dtype"]), target_dtype(record, device, params.device_map)
+    if computes != own:
+        print(f"extract: {cpu_note(own)}", file=sys.stderr)
+    # states of another compute dtype never resume into this store
+    work = plan_work(params, record, tokenizer, responses, answered, work_root, rank, world,
+                     extra_key={"compute_dtype": str(computes)} if computes != own else None)
     todo = work.todo
     progress = Progress(f"extract rank {rank}" if world > 1 else "extract",
                         total=sum(len(s.input_ids) for s in work.share), unit="tokens",
                         done=sum(len(s.input_ids) for s in work.share) - sum(len(s.input_ids) for s in todo))
     print(f"extract: rank {rank}/{world}: {len(work.share)} of {len(work.samples)} samples, "
           f"{len(work.share) - len(todo)} already stored in {work.dir}; aux layers {work.aux_ids}", file=sys.stderr)
-    device = pick_device(params, rank)
     model = load_target(record, device, params.device_map) if todo else None
     capture = Capture(model, work.aux_ids) if model else None
     writer = store_writer(params, work, record, rank)
@@ -78,7 +84,8 @@ def run_extraction(params: ExtractParams, record: dict, tokenizer: Any, response
         torch.distributed.all_reduce(new_tokens)
         torch.distributed.barrier()
     summary = {"new_tokens": int(new_tokens), "new_tokens_per_s": round(int(new_tokens) / max(compute_s, 1e-9), 1),
-               **work.counts, "aux_layer_ids": work.aux_ids}
+               **work.counts, "aux_layer_ids": work.aux_ids, "compute_dtype": str(computes).removeprefix("torch.")}
     if rank == 0:
-        summary |= finish_store(work, out, record, params, extra={"engine": "hf"})
+        summary |= finish_store(work, out, record, params,
+                                extra={"engine": "hf", "compute_dtype": summary["compute_dtype"]})
     return summary

@@ -37,6 +37,7 @@ from eagle3.model.checkpoint import WEIGHT_DTYPES, save_drafter, validate
 from eagle3.model.drafter import Drafter
 from eagle3.progress import Progress, format_duration
 from eagle3.store.reader import HiddenStore
+from eagle3.target.compute import cpu_computes, cpu_note
 from eagle3.training.data import Batch, Plan, StoredBatch, make_plan
 from eagle3.training.inputs import Inputs, load_inputs
 from eagle3.training.objective import DraftLoss, step_row
@@ -123,13 +124,14 @@ class Run:
     optimizer: torch.optim.AdamW
     state: RunState
     dtype: torch.dtype  # of the states fed in: bf16 on GPU, fp32 on CPU (where cpu_bf16 autocasts the matmuls)
+    bf16_autocast: bool  # GPUs; CPUs with bf16 instructions when train.cpu_bf16 asks (eagle3/target/compute.py)
     decay: Tensor  # [K] step_decay**k
     capture: CaptureProcess | None  # train.source online / hybrid
     hybrid_store: HiddenStore | None = None  # hybrid, once the first epoch has filled it
     wait_s: float = 0.0  # the loop waiting for states, whatever their source
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        if self.dist.device.type == "cuda" or self.params.cpu_bf16:
+        if self.bf16_autocast:
             return torch.autocast(self.dist.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
@@ -200,11 +202,14 @@ def setup(params: TrainParams, paths: Paths, dist: Dist) -> Run:
         shutil.rmtree(paths.hybrid)  # states of another run's samples or target; a resume keeps them
     dist.barrier()
     decay = torch.tensor([params.step_decay**k for k in range(params.ttt_steps)], device=dist.device)
+    bf16_autocast = dist.device.type == "cuda" or (params.cpu_bf16 and cpu_computes(torch.bfloat16))
+    if params.cpu_bf16 and not bf16_autocast and dist.main:
+        print(f"[train] train.cpu_bf16: {cpu_note(torch.bfloat16)}", file=sys.stderr)
     capture = None
     if params.source != "store":
         capture = start_capture(params, paths.hidden, paths.target, list(drafter.config.aux_layer_ids), paths.run,
                                 dist.device.type, dist.rank, int(os.environ.get("LOCAL_RANK", "0")))
-    return Run(params, paths, dist, inputs, plan, loss, model, optimizer, state, dtype, decay, capture)
+    return Run(params, paths, dist, inputs, plan, loss, model, optimizer, state, dtype, bf16_autocast, decay, capture)
 
 
 def distribute(loss: DraftLoss, fsdp: bool, dist: Dist) -> nn.Module:
@@ -435,6 +440,7 @@ def report(run: Run, heldout: dict[str, float] | None, dtype: torch.dtype, resum
         draft_vocab_size=drafter.config.draft_vocab_size,
         aux_layer_ids=list(drafter.config.aux_layer_ids),
         saved_dtype=str(dtype).removeprefix("torch."),
+        compute="bf16 autocast" if run.bf16_autocast else "float32",
         states=states,
         final=final,
     )
