@@ -211,9 +211,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tokens-per-gpu-step", type=int, default=16384, help="training tokens per GPU per step")
     p.add_argument("--link-gbit", type=float, default=10.0, help="network of the rented box, Gbit/s")
     # Not metrics/ by default: whatever ran last in the working tree (a resumed stage, a run on shared cores)
-    # would calibrate the plan; benchmarks/results/embedded-run-cpu is a whole run on an idle machine.
+    # would calibrate the plan; benchmarks/results/embedded-run-cpu is a whole run on an idle machine,
+    # embedded-fp8-cpu the fp8 store's extract + train (its stored/raw prices --store-dtype fp8_e4m3).
     p.add_argument("--measured", type=Path, nargs="+",
-                   default=[Path("benchmarks/results/embedded-run-cpu/metrics"), Path("benchmarks/results")],
+                   default=[Path("benchmarks/results/embedded-run-cpu/metrics"),
+                            Path("benchmarks/results/embedded-fp8-cpu/metrics"), Path("benchmarks/results")],
                    help="metrics dirs and benchmark files/dirs to calibrate on, preferred in this order "
                         "(add metrics to calibrate on your own last run)")
     p.add_argument("--profiles", type=Path, default=PLANNER_DIR)
