@@ -118,6 +118,12 @@ def template_batch(ids: torch.Tensor) -> list[Sample]:
     return [Sample(f"t{row}", r.cpu().numpy().astype(np.int32), np.ones(len(r), np.uint8)) for row, r in enumerate(ids)]
 
 
+def fp8_groups(args: argparse.Namespace, geometry: dict) -> dict[str, int] | None:
+    """The store writer's float8 scale groups: one per token and layer, as the extract stage's (fp8_e4m3)."""
+    hidden = geometry["hidden_size"]
+    return {"aux": hidden, "last": hidden} if args.store_dtype == "fp8_e4m3" else None
+
+
 def store_for(model, capture: Capture, template: list[Sample], writer: ShardWriter, device: torch.device,
               seconds: float, sample_ids: Iterator[str]) -> int:
     """Runs `template` under fresh sample ids through forward + store for `seconds`, one batch in flight
@@ -162,6 +168,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None,
                         help="compression threads per process; default: the cores less 4, shared among local ranks")
     parser.add_argument("--level", type=int, default=1)
+    parser.add_argument("--store-dtype", choices=("bf16", "fp8_e4m3"), default="bf16",
+                        help="extract.store_dtype of (d)'s store: lossless planes or float8 with a scale per token")
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="measured dense bf16 peak of the GPU")
     parser.add_argument("--reader-workers", type=int, default=None,
                         help="reader threads of the read-back measurement; default: the cores less 4")
@@ -210,7 +218,8 @@ def main() -> None:
         shutil.rmtree(out_dir)
 
     capture = Capture(model, aux_ids)
-    writer = ShardWriter(work / "ours", level=args.level, threads=args.threads)
+    writer = ShardWriter(work / "ours", level=args.level, threads=args.threads,
+                         fp8_groups=fp8_groups(args, geometry))
     start = time.perf_counter()
     stored = store_for(model, capture, template_batch(ids), writer, device, args.seconds, (f"s{i}" for i in count()))
     stats = writer.close()
@@ -222,6 +231,7 @@ def main() -> None:
     hidden = geometry["hidden_size"]
     write_manifest(work / "ours", model_hash="random", aux_layer_ids=aux_ids, layer_id_convention="bench",
                    last_state="pre_norm", level=args.level, totals=merge_index(work / "ours"),
+                   store_dtype=args.store_dtype,
                    arrays={"input_ids": ArraySpec("int32", ()), "loss_mask": ArraySpec("uint8", ()),
                            "aux": ArraySpec("bfloat16", (3 * hidden,)), "last": ArraySpec("bfloat16", (hidden,))})
     store = HiddenStore(work / "ours")
@@ -246,7 +256,7 @@ def main() -> None:
               "device": machine_info() | {"torch": torch.__version__}, "geometry": geometry, "batch": args.batch,
               "seq": seq, "seconds_per_variant": args.seconds, "compress_threads": args.threads,
               "reader_workers": reader_workers,
-              "zstd_level": args.level, **{k: round(v, 4) for k, v in results.items()}}
+              "zstd_level": args.level, "store_dtype": args.store_dtype, **{k: round(v, 4) for k, v in results.items()}}
     write_record(record, args.out)
 
 
@@ -269,7 +279,8 @@ def main_ranks(args: argparse.Namespace) -> None:
     if rank == 0:  # shards of an earlier run would be merged too
         shutil.rmtree(store, ignore_errors=True)
     barrier()
-    writer = ShardWriter(store, rank=rank, level=args.level, threads=args.threads)
+    writer = ShardWriter(store, rank=rank, level=args.level, threads=args.threads,
+                         fp8_groups=fp8_groups(args, geometry))
     forward_batch(model, capture, template, device)  # warm-up (kernels, allocator), outside the window
     sync(device)
 

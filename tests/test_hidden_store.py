@@ -362,3 +362,12 @@ def test_fp8_store_reads_back_bf16_within_float8_rounding(tmp_path: Path) -> Non
     with pytest.raises(ValueError, match="sample 's1': array 'aux' holds inf or NaN.*store_dtype: bf16"):
         with ShardWriter(tmp_path / "bad", fp8_groups={"aux": HT * 8}) as writer:
             writer.put("s1", bad)
+
+
+def test_fp8_decode_equals_the_float8_cast_times_the_scale_for_every_code() -> None:
+    codes = np.tile(np.arange(256, dtype=np.uint8), (3, 2))  # 3 tokens x 512 channels, two groups of 256
+    codes[codes == 0x7F] = codes[codes == 0xFF] = 0  # e4m3fn's NaN codes, which to_fp8 never writes
+    scales = np.array([[1.0, 0.5], [2.0**-9, 3.0], [448.0, 1e-3]], np.float32)
+    cast = torch.from_numpy(codes).view(torch.float8_e4m3fn).float().reshape(3, 2, 256)
+    want = (cast * torch.from_numpy(scales)[..., None]).to(torch.bfloat16).view(torch.uint16).numpy().reshape(3, 512)
+    assert np.array_equal(codec.from_fp8(scales, codes, (3, 512)), want)
