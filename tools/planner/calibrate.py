@@ -183,7 +183,9 @@ def from_benchmark(path: Path, record: dict[str, Any], cal: Calibration, root: P
             "extract", str(path), hw, target.name,
             model.extraction_roofline_s(target, hw, tokens, key(record, "seq", path), "bf16"),
             tokens / key(record, "ours_tokens_per_s", path)))
-        cal.stored_over_raw["bf16"].append((key(record, "ours_stored_over_raw", path), str(path)))
+        # random weights' states: the ratio of a store_dtype, not of real states (docs/benchmarks.md)
+        cal.stored_over_raw[record.get("store_dtype", "bf16")].append((key(record, "ours_stored_over_raw", path),
+                                                                        str(path)))
     elif "engine_tokens_per_s" in record:  # benchmarks/extract_engines.py: both paths on one store
         g = key(record, "geometry", path)
         target = match_target(g["hidden_size"], g["vocab_size"], g["num_layers"], str(path), root)
