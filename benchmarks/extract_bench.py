@@ -58,6 +58,7 @@ from eagle3.extraction.forward import forward_batch, store_batch
 from eagle3.extraction.hf import distributed, pick_device
 from eagle3.extraction.params import ExtractParams
 from eagle3.extraction.samples import Sample
+from eagle3.extraction.store import fp8_groups
 from eagle3.metrics import machine_info  # noqa: E402
 from eagle3.params import load_section  # noqa: E402
 from eagle3.store.codec import ArraySpec  # noqa: E402
@@ -116,12 +117,6 @@ def naive_step(model, ids, aux_ids, out_dir: Path, compress: bool, counter: list
 def template_batch(ids: torch.Tensor) -> list[Sample]:
     """One batch of samples (all tokens generated) from a [batch, seq] id tensor."""
     return [Sample(f"t{row}", r.cpu().numpy().astype(np.int32), np.ones(len(r), np.uint8)) for row, r in enumerate(ids)]
-
-
-def fp8_groups(args: argparse.Namespace, geometry: dict) -> dict[str, int] | None:
-    """The store writer's float8 scale groups: one per token and layer, as the extract stage's (fp8_e4m3)."""
-    hidden = geometry["hidden_size"]
-    return {"aux": hidden, "last": hidden} if args.store_dtype == "fp8_e4m3" else None
 
 
 def store_for(model, capture: Capture, template: list[Sample], writer: ShardWriter, device: torch.device,
@@ -219,7 +214,7 @@ def main() -> None:
 
     capture = Capture(model, aux_ids)
     writer = ShardWriter(work / "ours", level=args.level, threads=args.threads,
-                         fp8_groups=fp8_groups(args, geometry))
+                         fp8_groups=fp8_groups(args.store_dtype, geometry["hidden_size"]))
     start = time.perf_counter()
     stored = store_for(model, capture, template_batch(ids), writer, device, args.seconds, (f"s{i}" for i in count()))
     stats = writer.close()
@@ -280,7 +275,7 @@ def main_ranks(args: argparse.Namespace) -> None:
         shutil.rmtree(store, ignore_errors=True)
     barrier()
     writer = ShardWriter(store, rank=rank, level=args.level, threads=args.threads,
-                         fp8_groups=fp8_groups(args, geometry))
+                         fp8_groups=fp8_groups(args.store_dtype, geometry["hidden_size"]))
     forward_batch(model, capture, template, device)  # warm-up (kernels, allocator), outside the window
     sync(device)
 

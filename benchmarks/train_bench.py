@@ -63,9 +63,8 @@ from eagle3.metrics import machine_info  # noqa: E402
 from eagle3.model.drafter import Drafter, DrafterConfig, RMSNorm  # noqa: E402
 from eagle3.params import load_section  # noqa: E402
 from eagle3.store.reader import StatePlanes  # noqa: E402
-from eagle3.target.compute import cpu_computes  # noqa: E402
 from eagle3.training.data import Batch, collate  # noqa: E402
-from eagle3.training.loop import Dist, Run, distribute, init_distributed, make_optimizer, train_step
+from eagle3.training.loop import Dist, Run, distribute, init_distributed, make_optimizer, train_step, uses_bf16_autocast
 from eagle3.training.objective import DraftLoss
 from eagle3.training.params import Paths, TrainParams, check_params
 from eagle3.training.teacher import Teacher  # noqa: E402
@@ -240,8 +239,7 @@ def ours_ranks(g: Geometry, data: Data, dist: Dist, compiled: bool, fsdp: bool) 
     unused: Any = None
     run = Run(params=params, paths=Paths(), dist=dist, inputs=unused, plan=unused, loss=parts.loss, model=model,
               optimizer=optimizer, state=unused, dtype=dtype,
-              bf16_autocast=dist.device.type == "cuda" or (params.cpu_bf16 and cpu_computes(torch.bfloat16)),
-              decay=decay, capture=None)
+              bf16_autocast=uses_bf16_autocast(params, dist.device), decay=decay, capture=None)
     return lambda: train_step(run, [parts.batch], params.lr), parts.loss
 
 

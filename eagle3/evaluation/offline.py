@@ -19,7 +19,7 @@ from eagle3.model.checkpoint import load_drafter
 from eagle3.progress import Progress
 from eagle3.target.capture import Capture
 from eagle3.target.chat import render
-from eagle3.target.compute import compute_dtype
+from eagle3.target.compute import target_dtype
 
 
 class Answer(NamedTuple):
@@ -83,9 +83,8 @@ def load_target(record: dict) -> Any:
     # On a CPU without instructions for the target's dtype, float32 (eagle3/target/compute.py).
     gpu = torch.cuda.is_available()
     placement = {"device_map": "auto"} if gpu else {"attn_implementation": "eager"}
-    own = getattr(torch, record["dtype"])
-    return AutoModelForCausalLM.from_pretrained(record["model_path"], **placement,
-                                                dtype=own if gpu else compute_dtype(own, torch.device("cpu"))).eval()
+    dtype = target_dtype(record, torch.device("cuda" if gpu else "cpu"))
+    return AutoModelForCausalLM.from_pretrained(record["model_path"], dtype=dtype, **placement).eval()
 
 
 class OfflineEvaluator:

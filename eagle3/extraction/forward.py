@@ -11,21 +11,16 @@ import torch
 from eagle3.extraction.samples import Sample
 from eagle3.store.writer import ShardWriter
 from eagle3.target.capture import Capture
-from eagle3.target.compute import compute_dtype
-
-
-def target_dtype(record: dict, device: torch.device, device_map: str | None = None) -> torch.dtype:
-    """The target's own dtype; on a CPU without instructions for it, float32 (eagle3/target/compute.py)."""
-    own = getattr(torch, record["dtype"])
-    return own if device_map else compute_dtype(own, device)
+from eagle3.target.compute import target_dtype
 
 
 def load_target(record: dict, device: torch.device, device_map: str | None = None) -> Any:
-    """The target in `target_dtype`, on `device`, or spread by `device_map` over the GPUs."""
+    """The target in `target_dtype` (its own, or float32 on a CPU without instructions for it), on
+    `device`, or spread by `device_map` over the GPUs."""
     from transformers import AutoModelForCausalLM
 
     kwargs = {"device_map": device_map} if device_map else {}
-    model = AutoModelForCausalLM.from_pretrained(record["model_path"], dtype=target_dtype(record, device, device_map),
+    model = AutoModelForCausalLM.from_pretrained(record["model_path"], dtype=target_dtype(record, device),
                                                  revision=record.get("revision"), **kwargs)
     return (model if device_map else model.to(device)).eval()
 

@@ -17,13 +17,13 @@ from typing import Any
 
 import torch
 
-from eagle3.extraction.forward import forward_batch, load_target, store_batch, target_dtype
+from eagle3.extraction.forward import forward_batch, load_target, store_batch
 from eagle3.extraction.params import ExtractParams
 from eagle3.extraction.samples import length_batches
 from eagle3.extraction.store import finish_store, plan_work, store_writer
 from eagle3.progress import Progress
 from eagle3.target.capture import Capture
-from eagle3.target.compute import cpu_note
+from eagle3.target.compute import cpu_note, target_dtype
 
 RESPONSES = Path("artifacts/responses/responses.parquet")
 ANSWERED = Path("artifacts/prompts/answered.parquet")  # conversations that keep the dataset's answer
@@ -50,7 +50,7 @@ def run_extraction(params: ExtractParams, record: dict, tokenizer: Any, response
                    out: Path = HIDDEN_DIR, work_root: Path = WORK_DIR, answered: Path | None = None) -> dict[str, Any]:
     rank, world = distributed()
     device = pick_device(params, rank)
-    own, computes = getattr(torch, record["dtype"]), target_dtype(record, device, params.device_map)
+    own, computes = getattr(torch, record["dtype"]), target_dtype(record, device)
     if computes != own:
         print(f"extract: {cpu_note(own)}", file=sys.stderr)
     # states of another compute dtype never resume into this store

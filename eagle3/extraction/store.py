@@ -59,10 +59,15 @@ def plan_work(params: ExtractParams, record: dict, tokenizer: Any, responses: Pa
     return Work(work, aux_ids, samples, share, todo, counts)
 
 
+def fp8_groups(store_dtype: str, hidden_size: int) -> dict[str, int] | None:
+    """The writer's float8 scale groups for extract.store_dtype (None: lossless): one scale per token
+    and layer, `aux` holding one hidden-wide state per aux layer."""
+    return {"aux": hidden_size, "last": hidden_size} if store_dtype == "fp8_e4m3" else None
+
+
 def store_writer(params: ExtractParams, work: Work, record: dict, rank: int = 0) -> ShardWriter:
-    """The writer of one rank's shards, its states coded as extract.store_dtype says (fp8: one scale
-    per token and layer: `aux` holds one hidden-wide state per aux layer)."""
-    groups = {"aux": record["hidden_size"], "last": record["hidden_size"]} if params.store_dtype == "fp8_e4m3" else None
+    """The writer of one rank's shards, its states coded as extract.store_dtype says."""
+    groups = fp8_groups(params.store_dtype, record["hidden_size"])
     return ShardWriter(work.dir, rank=rank, level=params.zstd_level, shard_bytes=int(params.shard_mb * (1 << 20)),
                        threads=params.compress_threads, fp8_groups=groups)
 

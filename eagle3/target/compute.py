@@ -25,6 +25,11 @@ def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     return dtype
 
 
+def target_dtype(record: dict, device: torch.device) -> torch.dtype:
+    """What the target (artifacts/target's record) computes in on `device`."""
+    return compute_dtype(getattr(torch, record["dtype"]), device)
+
+
 def cpu_note(dtype: torch.dtype) -> str:
     """Says why a 16-bit model runs in float32 here, for the stage's log and metrics."""
     name = str(dtype).removeprefix("torch.")

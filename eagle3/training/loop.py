@@ -202,7 +202,7 @@ def setup(params: TrainParams, paths: Paths, dist: Dist) -> Run:
         shutil.rmtree(paths.hybrid)  # states of another run's samples or target; a resume keeps them
     dist.barrier()
     decay = torch.tensor([params.step_decay**k for k in range(params.ttt_steps)], device=dist.device)
-    bf16_autocast = dist.device.type == "cuda" or (params.cpu_bf16 and cpu_computes(torch.bfloat16))
+    bf16_autocast = uses_bf16_autocast(params, dist.device)
     if params.cpu_bf16 and not bf16_autocast and dist.main:
         print(f"[train] train.cpu_bf16: {cpu_note(torch.bfloat16)}", file=sys.stderr)
     capture = None
@@ -210,6 +210,11 @@ def setup(params: TrainParams, paths: Paths, dist: Dist) -> Run:
         capture = start_capture(params, paths.hidden, paths.target, list(drafter.config.aux_layer_ids), paths.run,
                                 dist.device.type, dist.rank, int(os.environ.get("LOCAL_RANK", "0")))
     return Run(params, paths, dist, inputs, plan, loss, model, optimizer, state, dtype, bf16_autocast, decay, capture)
+
+
+def uses_bf16_autocast(params: TrainParams, device: torch.device) -> bool:
+    """GPUs always; a CPU when train.cpu_bf16 asks and it has bf16 instructions (else 4x slower)."""
+    return device.type == "cuda" or (params.cpu_bf16 and cpu_computes(torch.bfloat16))
 
 
 def distribute(loss: DraftLoss, fsdp: bool, dist: Dist) -> nn.Module:

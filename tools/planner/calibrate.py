@@ -142,7 +142,7 @@ def generate_measurement(m: dict, path: Path, hw: Hardware, target: Target, weig
 def extract_measurement(m: dict, path: Path, hw: Hardware, target: Target, weights: str, params: dict,
                         params_path: Path, cal: Calibration) -> None:
     store_dtype = m.get("store_dtype", "bf16")  # runs before extract.store_dtype stored bf16
-    if store_dtype is not None and store_dtype not in cal.stored_over_raw:
+    if store_dtype not in (None, *cal.stored_over_raw):
         raise CalibrationError(f"{path}: store_dtype {store_dtype!r}, expected one of {sorted(cal.stored_over_raw)}")
     if store_dtype is not None:  # None: a token store (train.source online/hybrid), no states to measure
         cal.stored_over_raw[store_dtype].append((key(m, "stored_over_raw", path), str(path)))
