@@ -8,8 +8,8 @@ Variants, each time-boxed, on random bf16 weights (weights decide nothing about 
   (d) ours end to end: hooks on the needed layers, pinned async copies, byte planes + zstd in
       threads, shards on disk.
 Then the training side reads (d)'s store back the way the train stage does (batch_loader: read,
-decode and collate of one 2048-token sample per batch in reader threads, into pinned memory, byte
-planes joined into bf16 states on the GPU), with 1 and with --reader-workers threads, for --seconds
+decode and collate of one 2048-token sample per batch in reader threads, into pinned memory, the
+states decoded to bf16 on the GPU: byte planes joined, or float8 codes times their scales), with 1 and with --reader-workers threads, for --seconds
 each; compared with the trainer's rate in benchmarks/results/train-h200.json when that file exists.
 Usage: python benchmarks/extract_bench.py --out benchmarks/results/extract-h200.json  (GPU)
        python benchmarks/extract_bench.py --tiny                                    (CPU smoke)
@@ -138,7 +138,7 @@ def store_for(model, capture: Capture, template: list[Sample], writer: ShardWrit
 def reader_tokens_per_s(store: HiddenStore, workers: int, seconds: float, ttt_steps: int, seq: int,
                         device: torch.device, pin: bool = True) -> float:
     """Tokens/s the train stage's loader reads, decodes and collates from `store` and hands to
-    `device` as bf16 batches (byte planes joined there, as the trainer gets them), over whole batches."""
+    `device` as bf16 batches (decoded there, as the trainer gets them), over whole batches."""
     order = np.random.default_rng(0).permutation(len(store))
     loader = batch_loader(store, [[int(row)] for row in order], ttt_steps=ttt_steps, max_seq_len=seq,
                           prompt_loss_weight=1.0, num_workers=workers, pin_memory=pin and device.type == "cuda")

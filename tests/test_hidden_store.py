@@ -18,6 +18,7 @@ from eagle3 import atomic
 from eagle3.store import codec, layout
 from eagle3.store.layout import completed_sample_ids, merge_index, rank_todo, write_manifest
 from eagle3.store.reader import (
+    Fp8States,
     HiddenStateStream,
     HiddenStore,
     StatePlanes,
@@ -123,7 +124,7 @@ def test_roundtrip_is_bitwise_for_every_bf16_pattern(tmp_path: Path) -> None:
     assert flat[where[0x8000]] == 0 and torch.signbit(flat[where[0x8000]])
 
     # The trainer's path: planes kept at read, joined by torch (on its GPU): the same bits.
-    split = to_torch(store.read_row(store.sample_ids.index("p1"), keep_planes=True))
+    split = to_torch(store.read_row(store.sample_ids.index("p1"), as_stored=True))
     for name in ("aux", "last"):
         assert isinstance(split[name], StatePlanes)
         joined = join_planes(split[name].top, split[name].low)
@@ -352,10 +353,11 @@ def test_fp8_store_reads_back_bf16_within_float8_rounding(tmp_path: Path) -> Non
     assert ((back - want).abs() <= bound).all()
     assert (back[5] == 0).all() and torch.equal(back[:, 2, 0], want[:, 2, 0])  # a group's largest is exact
     assert ((back - want).norm() / want.norm()) < 0.03
-    # the trainer's path (planes kept) joins to the same bits
-    split = to_torch(fp8.read_row(0, keep_planes=True))
-    assert torch.equal(join_planes(split["aux"].top, split["aux"].low).view(torch.int16),
-                       torch.from_numpy(got.arrays["aux"].view(np.int16)))
+    # the trainer's path: codes and scales as stored, decoded where it computes, to the same bits
+    split = to_torch(fp8.read_row(0, as_stored=True))
+    assert isinstance(split["aux"], Fp8States) and split["aux"].codes.dtype == torch.uint8
+    assert split["aux"].scales.shape == (t, groups)
+    assert torch.equal(split["aux"].decode().view(torch.int16), torch.from_numpy(got.arrays["aux"].view(np.int16)))
 
     bad = dict(sample, aux=words.copy())
     bad["aux"][3, 7] = 0x7F80  # +inf
@@ -371,3 +373,6 @@ def test_fp8_decode_equals_the_float8_cast_times_the_scale_for_every_code() -> N
     cast = torch.from_numpy(codes).view(torch.float8_e4m3fn).float().reshape(3, 2, 256)
     want = (cast * torch.from_numpy(scales)[..., None]).to(torch.bfloat16).view(torch.uint16).numpy().reshape(3, 512)
     assert np.array_equal(codec.from_fp8(scales, codes, (3, 512)), want)
+    # the trainer's decode (torch, on its device) is bitwise the host's table decode
+    device_side = Fp8States(torch.from_numpy(codes), torch.from_numpy(scales)).decode()
+    assert np.array_equal(device_side.view(torch.uint16).numpy(), want)

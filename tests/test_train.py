@@ -24,8 +24,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3.model.checkpoint import save_drafter, validate
 from eagle3.model.drafter import Drafter, DrafterConfig
+from eagle3.store.codec import from_fp8, to_fp8
 from eagle3.store.layout import merge_index, write_manifest
-from eagle3.store.reader import StatePlanes
+from eagle3.store.reader import Fp8States, StatePlanes
 from eagle3.store.writer import ShardWriter
 from eagle3.training import state as train_state
 from eagle3.training.data import Batch, collate, make_plan
@@ -226,21 +227,39 @@ def test_alignment_hand_built():
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
+def as_fp8(states: torch.Tensor, group: int) -> tuple[Fp8States, torch.Tensor]:
+    """The lossy store's form of bf16 states, and what the host's decode makes of it."""
+    words = states.view(torch.int16).numpy().view(np.uint16)
+    scales, codes = to_fp8(words, group, "x")
+    decoded = torch.from_numpy(from_fp8(scales, codes, words.shape).view(np.int16)).view(torch.bfloat16)
+    return Fp8States(torch.from_numpy(codes), torch.from_numpy(scales)), decoded
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_stored_batch_joins_the_byte_planes_into_the_states_on_the_device(device):
-    """The loader hands over byte planes; to() must give back exactly the bf16 states, shifted and padded."""
+@pytest.mark.parametrize("form", ["planes", "fp8"])
+def test_stored_batch_decodes_the_stored_states_on_the_device(device, form):
+    """The loader hands over the states as stored (byte planes, or float8 codes and scales); to() must
+    give back exactly the bf16 states the host would decode, shifted and padded with zeros."""
     rng = torch.Generator().manual_seed(0)
     samples = [{"input_ids": torch.arange(n, dtype=torch.int32), "loss_mask": torch.ones(n, dtype=torch.uint8),
                 "aux": torch.randn(n, 6, generator=rng).bfloat16(), "last": torch.randn(n, 2, generator=rng).bfloat16()}
                for n in (7, 4)]
-    batch = collate([stored(s) for s in samples], ttt_steps=2, max_seq_len=64, prompt_loss_weight=1.0).to(
-        torch.device(device), torch.bfloat16)
+    if form == "planes":
+        loaded, want = [stored(s) for s in samples], samples
+    else:  # aux: two groups of 3 channels (two layers), last: one
+        loaded, want = [], []
+        for s in samples:
+            (aux, aux_back), (last, last_back) = as_fp8(s["aux"], 3), as_fp8(s["last"], 2)
+            loaded.append({**s, "aux": aux, "last": last})
+            want.append({"aux": aux_back, "last": last_back})
+        assert not torch.equal(want[0]["aux"], samples[0]["aux"])  # lossy: the host's decode is the reference
+    batch = collate(loaded, ttt_steps=2, max_seq_len=64, prompt_loss_weight=1.0).to(torch.device(device), torch.bfloat16)
     assert batch.aux.device.type == device and batch.aux.dtype == torch.bfloat16
     assert batch.aux.is_contiguous() and batch.next_last.is_contiguous()  # token-major, as the kernels expect
-    for i, s in enumerate(samples):
+    for i, (s, w) in enumerate(zip(samples, want)):
         n = len(s["input_ids"])
-        assert torch.equal(batch.aux[i, : n - 1].cpu(), s["aux"][: n - 1])
-        assert torch.equal(batch.next_last[i, : n - 1].cpu(), s["last"][1:n])
+        assert torch.equal(batch.aux[i, : n - 1].cpu(), w["aux"][: n - 1])
+        assert torch.equal(batch.next_last[i, : n - 1].cpu(), w["last"][1:n])
         assert not batch.aux[i, n - 1 :].any() and not batch.next_last[i, n - 1 :].any()
 
 

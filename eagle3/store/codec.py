@@ -77,12 +77,26 @@ class Planes:
 
 
 @dataclass
+class Fp8Codes:
+    """A lossy state array as stored, not yet decoded (from_fp8): `scales` [tokens, groups] fp32,
+    `codes` [tokens, channels] float8 e4m3 bytes. The trainer decodes them on its GPU: on the host
+    the decode and the split into planes held one H200's reader to 1.33x its trainer's need."""
+
+    scales: np.ndarray
+    codes: np.ndarray
+    shape: tuple[int, ...]
+
+    def join(self) -> np.ndarray:
+        return from_fp8(self.scales, self.codes, self.shape)
+
+
+@dataclass
 class Sample:
-    """A decoded sample; bfloat16 arrays are uint16 views, `dtypes` names their real dtype. Float
-    arrays are Planes when the reader asked to keep them split."""
+    """A decoded sample; bfloat16 arrays are uint16 views, `dtypes` names their real dtype. State
+    arrays stay as stored (Planes, Fp8Codes) when the reader asked for them so."""
 
     sample_id: str
-    arrays: dict[str, np.ndarray | Planes]
+    arrays: dict[str, np.ndarray | Planes | Fp8Codes]
     dtypes: dict[str, str]
 
 
@@ -219,9 +233,9 @@ def encode_sample(
     return EncodedSample(parts, sum(len(p) for p in parts), checksum, raw_bytes)
 
 
-def decode_sample(blob: bytes | memoryview | np.ndarray, keep_planes: bool = False) -> Sample:
-    """Inverse of encode_sample (the caller has verified the checksum); with keep_planes, float
-    arrays stay Planes for the caller to join."""
+def decode_sample(blob: bytes | memoryview | np.ndarray, as_stored: bool = False) -> Sample:
+    """Inverse of encode_sample (the caller has verified the checksum); with as_stored, float
+    arrays stay as stored (Planes, Fp8Codes) for the caller to join where it computes."""
     view = memoryview(blob)
     (header_len,) = _HEADER_LEN.unpack_from(view, 0)
     pos = _HEADER_LEN.size + header_len
@@ -245,16 +259,15 @@ def decode_sample(blob: bytes | memoryview | np.ndarray, keep_planes: bool = Fal
             tokens = shape[0]
             top = _decompress(dctx, stored[: entry["top_size"]], count, name).reshape(-1, tokens)
             planes = Planes(top, np.frombuffer(low, np.uint8).reshape(tokens, -1, dtype.itemsize - 1), dtype, shape)
-            arrays[name] = planes if keep_planes else planes.join()
+            arrays[name] = planes if as_stored else planes.join()
         elif entry["codec"] == FP8_CODEC:
             tokens, groups = shape[0], count // shape[0] // entry["group"]
             if entry["scales_size"] != tokens * groups * 4:
                 raise ValueError(f"array {name!r} has {entry['scales_size']} scale bytes, shape {shape} and "
                                  f"group {entry['group']} say {tokens * groups * 4}")
             scales = np.frombuffer(stored[: entry["scales_size"]], "<f4").reshape(tokens, groups)
-            codes = _decompress(dctx, stored[entry["scales_size"] :], count, name)
-            words = from_fp8(scales, codes, shape)
-            arrays[name] = Planes(*to_planes(words), dtype, shape) if keep_planes else words
+            lossy = Fp8Codes(scales, _decompress(dctx, stored[entry["scales_size"] :], count, name), shape)
+            arrays[name] = lossy if as_stored else lossy.join()
         elif entry["codec"] == PLAIN_CODEC:
             raw = _decompress(dctx, stored, dtype.itemsize * count, name) if count else np.empty(0, np.uint8)
             arrays[name] = raw.view(dtype).reshape(shape)

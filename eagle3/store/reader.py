@@ -16,7 +16,7 @@ import torch
 import zstandard
 from torch.utils.data import IterableDataset, get_worker_info
 
-from eagle3.store.codec import FORMAT, Planes, Sample, decode_sample
+from eagle3.store.codec import FORMAT, Fp8Codes, Planes, Sample, decode_sample
 from eagle3.store.layout import INDEX_NAME, MANIFEST_NAME
 
 
@@ -26,19 +26,79 @@ class StoreCorruptError(RuntimeError):
 
 @dataclass
 class StatePlanes:
-    """bf16 states [tokens, channels] as the store keeps them: `top` [channels, tokens] uint8 (sign
-    and exponent bytes, channel-major), `low` [tokens, channels] uint8; join_planes joins them."""
+    """bf16 states [..., tokens, channels] as the lossless store keeps them: `top` [..., channels,
+    tokens] uint8 (sign and exponent bytes, channel-major), `low` [..., tokens, channels] uint8.
+
+    This and Fp8States are the two forms a batch's states travel in from the store to the trainer's
+    device, where decode() makes them bf16: on a GPU that is a few kernels; on the host it would
+    cost the CPU what decoding costs the store's reader. collate fills a batch's rows through
+    `batch` and `put_row`."""
 
     top: torch.Tensor
     low: torch.Tensor
 
     @classmethod
     def of(cls, states: torch.Tensor) -> StatePlanes:
-        """The planes of bf16 states [tokens, channels], split where they are (on a GPU the split is
-        a few kernels; on the host it would cost the CPU what decoding costs the store's reader)."""
+        """The planes of bf16 states [tokens, channels], split where they are."""
         words = states.contiguous().view(torch.int16)
         top = ((words >> 8) & 0xFF).to(torch.uint8).t().contiguous()
         return cls(top, (words & 0xFF).to(torch.uint8))
+
+    def batch(self, rows: int, columns: int, pin_memory: bool) -> StatePlanes:
+        """Room for `rows` samples' states of `columns` tokens each, in this sample's form."""
+        channels = self.top.shape[0]
+        return StatePlanes(_empty(rows, channels, columns, pin_memory=pin_memory),
+                           _empty(rows, columns, channels, pin_memory=pin_memory))
+
+    def put_row(self, row: int, sample: StatePlanes, start: int, count: int) -> None:
+        """Row `row` of this batch: the sample's tokens start..start+count, then zeros (bf16 0)."""
+        self.top[row, :, :count] = sample.top[:, start : start + count]
+        self.low[row, :count] = sample.low[start : start + count]
+        self.top[row, :, count:].zero_()
+        self.low[row, count:].zero_()
+
+    def to(self, device: torch.device) -> StatePlanes:
+        return StatePlanes(*(t.to(device, non_blocking=True) for t in (self.top, self.low)))
+
+    def decode(self) -> torch.Tensor:
+        return join_planes(self.top, self.low)
+
+
+@dataclass
+class Fp8States:
+    """bf16 states as the lossy store (extract.store_dtype: fp8_e4m3) keeps them: `codes` [...,
+    tokens, channels] float8 e4m3 bytes, `scales` [..., tokens, groups] fp32 (one per token and
+    group of channels/groups channels). Half the bytes of StatePlanes on the way to the device."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+    def batch(self, rows: int, columns: int, pin_memory: bool) -> Fp8States:
+        return Fp8States(_empty(rows, columns, self.codes.shape[-1], pin_memory=pin_memory),
+                         _empty(rows, columns, self.scales.shape[-1], dtype=torch.float32, pin_memory=pin_memory))
+
+    def put_row(self, row: int, sample: Fp8States, start: int, count: int) -> None:
+        """As StatePlanes.put_row; the padding is code 0 with scale 0, which decodes to 0."""
+        self.codes[row, :count] = sample.codes[start : start + count]
+        self.scales[row, :count] = sample.scales[start : start + count]
+        self.codes[row, count:].zero_()
+        self.scales[row, count:].zero_()
+
+    def to(self, device: torch.device) -> Fp8States:
+        return Fp8States(*(t.to(device, non_blocking=True) for t in (self.codes, self.scales)))
+
+    def decode(self) -> torch.Tensor:
+        """bf16 [..., tokens, channels]: code value x scale in float32, rounded once to bf16 (bitwise
+        the host's codec.from_fp8)."""
+        values = self.codes.view(torch.float8_e4m3fn).float().unflatten(-1, (self.scales.shape[-1], -1))
+        return (values * self.scales.unsqueeze(-1)).flatten(-2).to(torch.bfloat16)
+
+
+StoredStates = StatePlanes | Fp8States
+
+
+def _empty(*shape: int, dtype: torch.dtype = torch.uint8, pin_memory: bool) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
 
 
 def join_planes(top: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
@@ -48,14 +108,18 @@ def join_planes(top: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     return ((top.transpose(-1, -2).to(torch.int16) << 8) | low.to(torch.int16)).view(torch.bfloat16).contiguous()
 
 
-def to_torch(sample: Sample) -> dict[str, torch.Tensor | StatePlanes]:
-    """The sample's arrays as tensors, bfloat16 ones as torch.bfloat16 (no copy); bfloat16 Planes
-    stay StatePlanes (join_planes), other Planes are joined here."""
-    out: dict[str, torch.Tensor | StatePlanes] = {}
+def to_torch(sample: Sample) -> dict[str, torch.Tensor | StoredStates]:
+    """The sample's arrays as tensors, bfloat16 ones as torch.bfloat16 (no copy); bfloat16 arrays
+    read as stored stay so (StatePlanes, Fp8States: decode() where they are used), other Planes are
+    joined here."""
+    out: dict[str, torch.Tensor | StoredStates] = {}
     for name, arr in sample.arrays.items():
         bf16 = sample.dtypes[name] == "bfloat16"
         if isinstance(arr, Planes) and bf16:
             out[name] = StatePlanes(torch.from_numpy(arr.top), torch.from_numpy(arr.low[..., 0]))
+            continue
+        if isinstance(arr, Fp8Codes):
+            out[name] = Fp8States(torch.from_numpy(arr.codes).view(len(arr.scales), -1), torch.from_numpy(arr.scales))
             continue
         tensor = torch.from_numpy(arr.join() if isinstance(arr, Planes) else arr)
         out[name] = tensor.view(torch.bfloat16) if bf16 else tensor
@@ -98,8 +162,9 @@ class HiddenStore:
         for row in order:
             yield self.read_row(row)
 
-    def read_row(self, row: int, keep_planes: bool = False) -> Sample:
-        """The sample in row `row` of the index, checksum-verified; float arrays as Planes with keep_planes."""
+    def read_row(self, row: int, as_stored: bool = False) -> Sample:
+        """The sample in row `row` of the index, checksum-verified; with as_stored, state arrays as
+        stored (codec.decode_sample)."""
         sample_id, shard = self.sample_ids[row], self._shards[row]
         offset, length = int(self._offsets[row]), int(self._lengths[row])
         path = self.root / shard
@@ -115,7 +180,7 @@ class HiddenStore:
                 f"(bytes {offset}..{offset + length}): the shard is corrupted"
             )
         try:
-            sample = decode_sample(blob, keep_planes)
+            sample = decode_sample(blob, as_stored)
         except (ValueError, zstandard.ZstdError) as exc:
             raise StoreCorruptError(f"shard {path}, sample {sample_id!r}: {exc}") from exc
         if sample.sample_id != sample_id:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from eagle3.store.reader import HiddenStore, StatePlanes, join_planes, to_torch
+from eagle3.store.reader import HiddenStore, StoredStates, to_torch
 from eagle3.training.params import TrainError, TrainParams
 
 
@@ -182,64 +182,51 @@ class Batch:
 
 @dataclass
 class StoredBatch:
-    """A Batch as the loader hands it over: the bf16 states still as the store's byte planes
-    (top [B, C, columns] channel-major, low [B, columns, C]), which to() moves and joins on the
-    device. Joining there spares the loader's CPU workers the transpose, most of their decode time."""
+    """A Batch as the loader hands it over: the bf16 states still as the store keeps them
+    (StatePlanes or Fp8States, [B, columns, ...]), which to() moves and decodes on the device.
+    Decoding there spares the loader's CPU threads most of their work (the planes' transpose, the
+    float8 decode) and moves fewer bytes (float8: half)."""
 
-    aux: StatePlanes
+    aux: StoredStates
     next_ids: Tensor
-    next_last: StatePlanes
+    next_last: StoredStates
     next_weight: Tensor
     tokens: int
 
     def to(self, device: torch.device, dtype: torch.dtype) -> Batch:
         """The Batch on `device`, states in the compute dtype (copied asynchronously from pinned memory)."""
-
-        def states(planes: StatePlanes) -> Tensor:
-            top, low = (t.to(device, non_blocking=True) for t in (planes.top, planes.low))
-            return join_planes(top, low).to(dtype)
-
-        return Batch(states(self.aux), self.next_ids.to(device, non_blocking=True), states(self.next_last),
-                     self.next_weight.to(device, non_blocking=True), self.tokens)
+        return Batch(self.aux.to(device).decode().to(dtype), self.next_ids.to(device, non_blocking=True),
+                     self.next_last.to(device).decode().to(dtype), self.next_weight.to(device, non_blocking=True),
+                     self.tokens)
 
 
 def collate(
-    samples: Sequence[dict[str, Tensor | StatePlanes]],
+    samples: Sequence[dict[str, Tensor | StoredStates]],
     *,
     ttt_steps: int,
     max_seq_len: int,
     prompt_loss_weight: float,
     pin_memory: bool = False,
 ) -> StoredBatch:
-    """Right-padded batch of samples as the store reads them with keep_planes (input_ids,
-    loss_mask, and aux and last as StatePlanes), each cut to max_seq_len tokens; every sample
-    needs at least 2 tokens (one anchor). Padding is zero bytes: bf16 zeros. pin_memory: the
-    batch is assembled in page-locked memory, from which the GPU copies it without another pass."""
+    """Right-padded batch of samples as the store reads them as_stored (input_ids, loss_mask, and
+    aux and last as StatePlanes or Fp8States), each cut to max_seq_len tokens; every sample needs
+    at least 2 tokens (one anchor). Padding decodes to bf16 zeros. pin_memory: the batch is
+    assembled in page-locked memory, from which the GPU copies it without another pass."""
     lengths = [min(len(s["input_ids"]), max_seq_len) for s in samples]
     anchors = max(lengths) - 1
     width = anchors + ttt_steps - 1
     rows = len(samples)
-
-    def empty(*shape: int, dtype: torch.dtype = torch.uint8) -> Tensor:
-        return torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
-
-    def planes(name: str, columns: int) -> StatePlanes:
-        channels = samples[0][name].top.shape[0]
-        return StatePlanes(empty(rows, channels, columns), empty(rows, columns, channels))
-
-    aux, next_last = planes("aux", anchors), planes("last", width)
-    next_ids, next_weight = empty(rows, width, dtype=torch.int64), empty(rows, width, dtype=torch.float32)
+    aux = samples[0]["aux"].batch(rows, anchors, pin_memory)
+    next_last = samples[0]["last"].batch(rows, width, pin_memory)
+    next_ids = torch.empty(rows, width, dtype=torch.int64, pin_memory=pin_memory)
+    next_weight = torch.empty(rows, width, dtype=torch.float32, pin_memory=pin_memory)
     for i, (sample, n) in enumerate(zip(samples, lengths)):
-        sample_aux, sample_last = sample["aux"], sample["last"]
-        aux.top[i, :, : n - 1] = sample_aux.top[:, : n - 1]
-        aux.low[i, : n - 1] = sample_aux.low[: n - 1]
-        next_last.top[i, :, : n - 1] = sample_last.top[:, 1:n]
-        next_last.low[i, : n - 1] = sample_last.low[1:n]
+        aux.put_row(i, sample["aux"], 0, n - 1)
+        next_last.put_row(i, sample["last"], 1, n - 1)
         next_ids[i, : n - 1] = sample["input_ids"][1:n].long()
         next_weight[i, : n - 1] = distribution_weights(sample["loss_mask"], n, prompt_loss_weight)[1:]
-        for tensor in (aux.top[i, :, n - 1 :], aux.low[i, n - 1 :], next_last.top[i, :, n - 1 :],
-                       next_last.low[i, n - 1 :], next_ids[i, n - 1 :], next_weight[i, n - 1 :]):
-            tensor.zero_()  # padding only: zeroing whole buffers first would write every byte twice
+        next_ids[i, n - 1 :].zero_()  # padding only: zeroing whole buffers first would write every byte twice
+        next_weight[i, n - 1 :].zero_()
     return StoredBatch(aux, next_ids, next_last, next_weight, tokens=sum(lengths))
 
 
@@ -261,7 +248,7 @@ def batch_loader(
     reader near the trainer's need). close() stops it, dropping batches not yet started."""
 
     def read(rows: list[int]) -> StoredBatch:
-        samples = [to_torch(store.read_row(row, keep_planes=True)) for row in rows]
+        samples = [to_torch(store.read_row(row, as_stored=True)) for row in rows]
         return collate(samples, ttt_steps=ttt_steps, max_seq_len=max_seq_len, prompt_loss_weight=prompt_loss_weight,
                        pin_memory=pin_memory)
 
