@@ -35,11 +35,15 @@ def main() -> None:
         raise ExtractError(f"extract.engine={params.engine!r}: expected one of {', '.join(ENGINES)}")
     record = load_record(TARGET_DIR)
     tokenizer = AutoTokenizer.from_pretrained(TARGET_DIR)
-    source = read_params().get("train", {}).get("source")
+    train = read_params().get("train", {})
+    source = train.get("source")
     if source not in TRAIN_SOURCES:
         raise ExtractError(f"params.yaml: train.source={source!r}: expected one of {', '.join(TRAIN_SOURCES)}")
     if source != "store":  # the trainer's capture process computes the states
-        work = plan_work(params, record, tokenizer, RESPONSES, ANSWERED, WORK_DIR, extra_key={"states": False})
+        # the capture server will see these samples: its length limit applies, as it does to extract.engine: vllm
+        engine = train.get("capture_engine") == "vllm"
+        work = plan_work(params, record, tokenizer, RESPONSES, ANSWERED, WORK_DIR, extra_key={"states": False},
+                         max_len=load_section("serve", ServeParams).max_model_len - 1 if engine else None)
         summary = {"new_tokens": sum(len(s.input_ids) for s in work.todo), "new_tokens_per_s": None, **work.counts,
                    "aux_layer_ids": work.aux_ids, **write_token_store(work, HIDDEN_DIR, record, params)}
     elif params.engine == "vllm":  # the server holds the accelerators, and is what computes

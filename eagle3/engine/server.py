@@ -104,9 +104,11 @@ def wait_healthy(url: str, timeout_s: float, alive: Any = lambda: True) -> dict[
 
 
 def start(params: ServeParams, record: dict[str, Any], state_dir: Path = STATE_DIR,
-          command: list[str] | None = None, capture: dict | None = None) -> ServerState:
+          command: list[str] | None = None, capture: dict | None = None, env: dict[str, str] | None = None
+          ) -> ServerState:
     """Start vLLM (or `command`: another engine serving /health and /v1/models); return once it answers.
-    `capture` is recorded in the state for the callers that must know what the server captures."""
+    `capture` is recorded in the state for the callers that must know what the server captures;
+    `env` is set for the server over this process's environment (CUDA_VISIBLE_DEVICES)."""
     running = running_server(state_dir)
     if running:
         print(f"serve: already running (pid {running.pid}, {running.url})", file=sys.stderr)
@@ -115,7 +117,7 @@ def start(params: ServeParams, record: dict[str, Any], state_dir: Path = STATE_D
         raise ServerError(f"port {params.host}:{params.port} is taken by a process this project did not start; "
                           "set serve.port or stop that process")
     gpu = bool(gpus())
-    env = dict(os.environ)
+    env = {**os.environ, **(env or {})}
     if not gpu:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(params.cpu_kvcache_space_gb))
         bind = f"0-{os.cpu_count() - 1}" if params.cpu_omp_threads_bind == "all" else params.cpu_omp_threads_bind

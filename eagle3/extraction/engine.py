@@ -20,6 +20,7 @@ import json
 import random
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ import numpy as np
 from eagle3.engine import server
 from eagle3.engine.client import check_served_model
 from eagle3.engine.state import STATE_DIR, ServerError, ServerState, pid_alive, running_server
+from eagle3.extraction.forward import state_arrays
 from eagle3.extraction.params import ExtractError, ExtractParams
 from eagle3.extraction.samples import Sample
 from eagle3.extraction.store import Work, finish_store, plan_work, store_writer
@@ -98,23 +100,26 @@ def server_same_path(served: str, expected: str) -> bool:
 
 
 def start_capture_server(serve: server.ServeParams, record: dict[str, Any], layer_ids: list[int],
-                         state_dir: Path = STATE_DIR) -> ServerState:
-    """Start vLLM for the target with capture on (what `make serve-capture` runs)."""
-    found = gpus()
+                         state_dir: Path = STATE_DIR, gpus_used: int | None = None) -> ServerState:
+    """Start vLLM for the target with capture on (what `make serve-capture` runs); on the first
+    `gpus_used` GPUs only where given (the online trainer's capture_gpus; its ranks take the rest)."""
+    found = gpus()[:gpus_used] if gpus_used else gpus()
     check_parallel_sizes(serve, found)
     want = capture_state(layer_ids, state_dir)
     command = server.server_command(serve, record, bool(found)) + capture_args(layer_ids, Path(want["spool"]))
-    return server.start(serve, record, state_dir, command=command, capture=want)
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(len(found))))} if gpus_used and found else None
+    return server.start(serve, record, state_dir, command=command, capture=want, env=env)
 
 
 def connect(serve: server.ServeParams, record: dict[str, Any], tokenizer: Any, layer_ids: list[int],
-            state_dir: Path) -> tuple[ServerState, dict[str, Any], bool]:
-    """(server, served model entry, whether we started it and must stop it)."""
+            state_dir: Path, gpus: int | None = None) -> tuple[ServerState, dict[str, Any], bool]:
+    """(server, served model entry, whether we started it and must stop it); a server we start
+    takes the first `gpus` GPUs where given (start_capture_server)."""
     running = running_server(state_dir)
     if running:
         check_running(running, capture_state(layer_ids, state_dir), record)
         print(f"extract: using the running capture server {running.url} (pid {running.pid})", file=sys.stderr)
-    state = running or start_capture_server(serve, record, layer_ids, state_dir)
+    state = running or start_capture_server(serve, record, layer_ids, state_dir, gpus)
     try:
         entry = server.wait_healthy(state.url, serve.startup_timeout_s, alive=lambda: pid_alive(state.pid))
         check_served_model(state.url, entry, record, tokenizer)
@@ -189,8 +194,9 @@ async def spooled_states(ctx: Context, sample: Sample, path: Path, deadline: flo
     return tensors
 
 
-def sample_arrays(ctx: Context, sample: Sample, tensors: dict[str, Any]) -> dict[str, np.ndarray]:
-    """The store's arrays of one sample from the engine's [tokens, layers, hidden] states."""
+def engine_states(ctx: Context, sample: Sample, tensors: dict[str, Any]) -> tuple[Any, Any]:
+    """(aux [tokens, aux layers x hidden], last [tokens, hidden]) bf16 of one sample from the
+    engine's [tokens, layers, hidden] states, checked against the ids sent."""
     import torch
 
     ids = tensors["token_ids"].numpy()
@@ -204,14 +210,11 @@ def sample_arrays(ctx: Context, sample: Sample, tensors: dict[str, Any]) -> dict
                            f"layer ids {ctx.layer_ids}?")
     states = states.to(torch.bfloat16)
     aux = states[:, [ctx.layer_ids.index(i) for i in ctx.aux_ids]].reshape(len(ids), -1).contiguous()
-    last = states[:, ctx.layer_ids.index(ctx.num_layers)].contiguous()
-    return {"input_ids": sample.input_ids, "loss_mask": sample.loss_mask,
-            "aux": aux.view(torch.int16).numpy().view(np.uint16),
-            "last": last.view(torch.int16).numpy().view(np.uint16)}
+    return aux, states[:, ctx.layer_ids.index(ctx.num_layers)].contiguous()
 
 
-async def capture_all(ctx: Context, todo: list[Sample], writer: ShardWriter, progress: Progress,
-                      concurrency: int) -> None:
+async def samples_states(ctx: Context, samples: list[Sample], concurrency: int) -> AsyncIterator[tuple[Sample, Any, Any]]:
+    """Each sample with its (aux, last) states (engine_states), in the order the engine finishes them."""
     semaphore = asyncio.Semaphore(concurrency)
 
     async def one(sample: Sample) -> tuple[Sample, dict[str, Any]]:
@@ -220,16 +223,36 @@ async def capture_all(ctx: Context, todo: list[Sample], writer: ShardWriter, pro
             path = await request_states(ctx, sample, deadline)
             return sample, await spooled_states(ctx, sample, path, deadline)
 
-    tasks = [asyncio.ensure_future(one(s)) for s in todo]
+    tasks = [asyncio.ensure_future(one(s)) for s in samples]
     try:
         for finished in asyncio.as_completed(tasks):
             sample, tensors = await finished
-            writer.put(sample.id, sample_arrays(ctx, sample, tensors))
-            progress.update(len(sample.input_ids), extra=f"stored/raw {writer.stats.stored_over_raw:.3f}")
+            yield sample, *engine_states(ctx, sample, tensors)
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def capture_all(ctx: Context, todo: list[Sample], writer: ShardWriter, progress: Progress,
+                      concurrency: int) -> None:
+    async for sample, aux, last in samples_states(ctx, todo, concurrency):
+        writer.put(sample.id, state_arrays(sample, aux, last))
+        progress.update(len(sample.input_ids), extra=f"stored/raw {writer.stats.stored_over_raw:.3f}")
+
+
+def capture_samples(state: ServerState, model: str, layer_ids: list[int], aux_ids: list[int], num_layers: int,
+                    samples: list[Sample], timeout_s: float) -> list[tuple[Sample, Any, Any]]:
+    """The states of `samples` from a running capture server, all in flight at once (the engine
+    batches them): what the online trainer's capture process asks for one batch."""
+
+    async def run() -> list[tuple[Sample, Any, Any]]:
+        limits = httpx.Limits(max_connections=len(samples), max_keepalive_connections=len(samples))
+        async with httpx.AsyncClient(limits=limits) as client:
+            ctx = Context(state.url, model, state, layer_ids, aux_ids, num_layers, timeout_s, client)
+            return [item async for item in samples_states(ctx, samples, len(samples))]
+
+    return asyncio.run(run()) if samples else []
 
 
 def clear_spool(spool: Path) -> None:

@@ -57,11 +57,16 @@ def forward_batch(model: Any, capture: Capture, batch: list[Sample], device: tor
     return host[0], host[1], event
 
 
+def state_arrays(sample: Sample, aux: torch.Tensor, last: torch.Tensor) -> dict[str, np.ndarray]:
+    """The store's arrays of one sample from its bf16 states on the host ([tokens, ...])."""
+    return {"input_ids": sample.input_ids, "loss_mask": sample.loss_mask,
+            "aux": aux.view(torch.int16).numpy().view(np.uint16),
+            "last": last.view(torch.int16).numpy().view(np.uint16)}
+
+
 def store_batch(writer: ShardWriter, batch: list[Sample], aux: torch.Tensor, last: torch.Tensor, event: Any) -> None:
     if event is not None:
         event.synchronize()
     for row, sample in enumerate(batch):
         n = len(sample.input_ids)
-        writer.put(sample.id, {"input_ids": sample.input_ids, "loss_mask": sample.loss_mask,
-                               "aux": aux[row, :n].view(torch.int16).numpy().view(np.uint16),
-                               "last": last[row, :n].view(torch.int16).numpy().view(np.uint16)})
+        writer.put(sample.id, state_arrays(sample, aux[row, :n], last[row, :n]))

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from eagle3.atomic import atomic_write_text
+from eagle3.engine.server import ServeParams
 from eagle3.metrics import write_metrics
 from eagle3.model.checkpoint import WEIGHT_DTYPES, save_drafter, validate
 from eagle3.model.drafter import Drafter
@@ -41,7 +42,13 @@ from eagle3.target.compute import cpu_computes, cpu_note
 from eagle3.training.data import Batch, Plan, StoredBatch, make_plan
 from eagle3.training.inputs import Inputs, load_inputs
 from eagle3.training.objective import DraftLoss, step_row
-from eagle3.training.online import CaptureProcess, fill_hybrid_store, start_capture, store_batches
+from eagle3.training.online import (
+    CaptureProcess,
+    connect_capture_server,
+    fill_hybrid_store,
+    start_capture,
+    store_batches,
+)
 from eagle3.training.params import Paths, TrainError, TrainParams, check_params
 from eagle3.training.state import (
     GATHER,
@@ -176,7 +183,7 @@ class Run:
         return self.hybrid_store
 
 
-def setup(params: TrainParams, paths: Paths, dist: Dist) -> Run:
+def setup(params: TrainParams, paths: Paths, dist: Dist, serve: ServeParams | None = None) -> Run:
     check_params(params, dist.world)
     inputs = load_inputs(params, paths)
     plan = make_plan(params, inputs.store)
@@ -207,8 +214,15 @@ def setup(params: TrainParams, paths: Paths, dist: Dist) -> Run:
         print(f"[train] train.cpu_bf16: {cpu_note(torch.bfloat16)}", file=sys.stderr)
     capture = None
     if params.source != "store":
-        capture = start_capture(params, paths.hidden, paths.target, list(drafter.config.aux_layer_ids), paths.run,
-                                dist.device.type, dist.rank, int(os.environ.get("LOCAL_RANK", "0")))
+        aux_ids = list(drafter.config.aux_layer_ids)
+        capture_server = None
+        if params.capture_engine == "vllm":
+            if serve is None:
+                raise TrainError("train.capture_engine: vllm needs the serve section (the capture server's params)")
+            capture_server = connect_capture_server(serve, inputs.record, aux_ids, paths.server, params.capture_gpus,
+                                                    dist.main, dist.barrier)
+        capture = start_capture(params, paths.hidden, paths.target, aux_ids, paths.run, dist.device.type, dist.rank,
+                                int(os.environ.get("LOCAL_RANK", "0")), capture_server)
     return Run(params, paths, dist, inputs, plan, loss, model, optimizer, state, dtype, bf16_autocast, decay, capture)
 
 
@@ -367,21 +381,22 @@ def per_step(row: dict[str, float] | None, k: int) -> dict[str, list[float]] | N
     return {name: [round(row[f"{name}_{i}"], 4) for i in range(k)] for name in ("loss", "top1")}
 
 
-def train(params: TrainParams, paths: Paths = Paths()) -> dict[str, Any] | None:
-    """Trains (or resumes) and writes the outputs; rank 0 returns the metrics record, others None."""
+def train(params: TrainParams, paths: Paths = Paths(), serve: ServeParams | None = None) -> dict[str, Any] | None:
+    """Trains (or resumes) and writes the outputs; rank 0 returns the metrics record, others None.
+    `serve`: the capture server's params, for train.capture_engine: vllm."""
     dist = init_distributed(params.capture_gpus if params.source != "store" else 0)
     try:
         # DDP and everything else of the run is freed when train_on returns, before the process
         # group goes: a DDP reducer destroyed after its group could hang the process at exit.
-        return train_on(dist, params, paths)
+        return train_on(dist, params, paths, serve)
     finally:
         if dist.world > 1:
             torch.distributed.destroy_process_group()
 
 
-def train_on(dist: Dist, params: TrainParams, paths: Paths) -> dict[str, Any] | None:
+def train_on(dist: Dist, params: TrainParams, paths: Paths, serve: ServeParams | None) -> dict[str, Any] | None:
     started = time.monotonic()
-    run = setup(params, paths, dist)
+    run = setup(params, paths, dist, serve)
     try:
         return finish_run(run, started)
     finally:
@@ -419,7 +434,7 @@ def report(run: Run, heldout: dict[str, float] | None, dtype: torch.dtype, resum
     if run.capture:
         f = run.capture.figures
         steady = loop_s - f.startup_s
-        states |= {"capture_startup_s": round(f.startup_s, 2),
+        states |= {"capture_engine": params.capture_engine, "capture_startup_s": round(f.startup_s, 2),
                    "stall_share_after_startup": round((wait_s - f.startup_s) / steady, 4) if steady > 0 else None,
                    "capture_tokens_per_s": round(f.captured_tokens / f.capture_s, 1) if f.capture_s else None,
                    "capture_restarts": f.restarts, "captured_batches": f.batches,

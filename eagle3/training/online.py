@@ -7,6 +7,11 @@ order and keeps at most train.prefetch_batches of them ready (eagle3/training/sp
 it is started again from the batch the trainer is waiting for; if the trainer dies, it resumes from
 its checkpoint and a new capture process starts from that checkpoint's batch. The trainer's waits
 are counted (stall share), and so are the capture's own seconds (its tokens/s).
+
+The capture is the target's HF forward (train.capture_engine: hf), or the serving engine
+(vllm): the extract stage's capture server, which rank 0 starts with the serve section's
+parallel sizes (or finds running: `make serve-capture`) and stops at the end of the run, so a
+target larger than one GPU is computed with the engine's tensor / expert parallelism and kernels.
 """
 
 from __future__ import annotations
@@ -16,11 +21,13 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from eagle3.engine import server
+from eagle3.engine.server import ServeParams
 from eagle3.extraction.store import index_and_manifest
 from eagle3.store.codec import DEFAULT_LEVEL
 from eagle3.store.layout import completed_sample_ids
@@ -49,12 +56,42 @@ class CaptureFigures:
 
 
 @dataclass
+class CaptureServer:
+    """train.capture_engine: vllm, the extract stage's capture server that every rank's capture
+    process asks for its batches' states."""
+
+    state_dir: Path
+    started: bool  # by this run (rank 0), which stops it when the run ends; else it was running already
+
+
+def connect_capture_server(serve: ServeParams, record: dict, aux_ids: list[int], state_dir: Path,
+                           capture_gpus: int, main: bool, barrier: Callable[[], None]) -> CaptureServer:
+    """Rank 0 starts the capture server (on the first capture_gpus GPUs; 0: it shares them with the
+    training ranks, within serve.gpu_memory_utilization) or checks the running one: same target,
+    same chat template, capturing the aux layers this drafter reads and the last. The other ranks
+    wait for it."""
+    from transformers import AutoTokenizer
+
+    from eagle3.extraction.engine import captured_layer_ids, clear_spool, connect
+
+    started = False
+    if main:
+        tokenizer = AutoTokenizer.from_pretrained(record["model_path"])
+        layer_ids = captured_layer_ids(aux_ids, record["num_layers"])
+        state, _, started = connect(serve, record, tokenizer, layer_ids, state_dir, gpus=capture_gpus or None)
+        clear_spool(Path(state.capture["spool"]))  # what the requests of a killed capture process left
+    barrier()
+    return CaptureServer(state_dir, started)
+
+
+@dataclass
 class CaptureProcess:
     """One capture process per trainer rank, fed jobs through its spool directory."""
 
     spool: Path
     template: CaptureJob  # what every job of this run shares
     log: Path
+    server: CaptureServer | None = None  # train.capture_engine: vllm
     figures: CaptureFigures = field(default_factory=CaptureFigures)
     current: CaptureJob | None = None  # the job job.json holds
     process: subprocess.Popen | None = None
@@ -146,6 +183,8 @@ class CaptureProcess:
             self.process.wait()
         if self.log_file:
             self.log_file.close()
+        if self.server and self.server.started:
+            server.stop(self.server.state_dir)
 
 
 def capture_device(device_type: str, local_rank: int, capture_gpus: int) -> str:
@@ -165,7 +204,8 @@ def store_compress_threads() -> int:
 
 
 def start_capture(params: TrainParams, tokens: Path, target: Path, aux_ids: list[int], run_dir: Path,
-                  device_type: str, rank: int, local_rank: int) -> CaptureProcess:
+                  device_type: str, rank: int, local_rank: int, capture_server: CaptureServer | None = None
+                  ) -> CaptureProcess:
     spool = Path(params.prefetch_dir or run_dir / "prefetch") / f"rank{rank}"
     empty_dir(spool)
     template = CaptureJob(job=0, start=0, batches=[], tokens=str(tokens), target=str(target),
@@ -173,8 +213,9 @@ def start_capture(params: TrainParams, tokens: Path, target: Path, aux_ids: list
                      capture_max_tokens=params.capture_max_tokens, ttt_steps=params.ttt_steps,
                      max_seq_len=params.max_seq_len, prompt_loss_weight=params.prompt_loss_weight,
                      prefetch=params.prefetch_batches, spool=True, store_dir=None, rank=rank,
-                     compress_threads=store_compress_threads())
-    return CaptureProcess(spool, template, run_dir / f"capture-rank{rank}.log")
+                     compress_threads=store_compress_threads(),
+                     engine_state_dir=str(capture_server.state_dir) if capture_server else None)
+    return CaptureProcess(spool, template, run_dir / f"capture-rank{rank}.log", capture_server)
 
 
 def store_batches(store: HiddenStore, batches: list[list[int]], params: TrainParams, pin_memory: bool
@@ -195,4 +236,4 @@ def fill_hybrid_store(capture: CaptureProcess, root: Path, tokens: HiddenStore, 
                              store_dir=root):
             pass
     index_and_manifest(root, record, tokens.manifest["aux_layer_ids"], DEFAULT_LEVEL, True,
-                       {"engine": "hf", "filled_by": "train.source: hybrid"})
+                       {"engine": "vllm" if capture.server else "hf", "filled_by": "train.source: hybrid"})

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3.errors import PipelineError
-from eagle3.extraction.params import TRAIN_SOURCES
+from eagle3.extraction.params import ENGINES, TRAIN_SOURCES
 from eagle3.metrics import METRICS_DIR
 from eagle3.model.checkpoint import WEIGHT_DTYPES
 from eagle3.model.drafter import DRAFTERS
@@ -67,6 +67,9 @@ class TrainParams:
     prefetch_dir: str | None  # where they wait; None: run/train/prefetch (a tmpfs such as /dev/shm keeps them in RAM)
     capture_max_tokens: int  # padded tokens per capture forward; a training batch may take several
     capture_gpus: int  # GPUs for the capture, the first ones; the training ranks take the next; 0: they share
+    # online/hybrid: hf, the target's HF forward in a capture process per rank; vllm, the extract
+    # stage's capture server (serve.* tensor / data / expert parallel sizes), asked by those processes
+    capture_engine: str
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,7 @@ class Paths:
     out: Path = Path("artifacts/drafter")
     run: Path = Path("run/train")
     hybrid: Path = Path("run/train/hybrid-store")  # train.source: hybrid, the first epoch's states
+    server: Path = Path("run/server")  # train.capture_engine: vllm, the capture server's state (eagle3/engine/state.py)
     curve: Path = METRICS_DIR / "train_curve.csv"
     heldout_curve: Path = METRICS_DIR / "train_heldout_curve.csv"
 
@@ -117,6 +121,8 @@ def check_params(params: TrainParams, world: int) -> None:
             problems.append(f"{name}={getattr(params, name)} must be >= 1")
     if params.capture_gpus < 0:
         problems.append(f"capture_gpus={params.capture_gpus} must be >= 0")
+    if params.capture_engine not in ENGINES:
+        problems.append(f"capture_engine={params.capture_engine!r} is not one of {list(ENGINES)}")
     if params.save_dtype not in (*WEIGHT_DTYPES, "target"):
         problems.append(f"save_dtype={params.save_dtype!r} is not one of {[*WEIGHT_DTYPES, 'target']}")
     if problems:

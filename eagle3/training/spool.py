@@ -49,6 +49,8 @@ class CaptureJob:
     store_dir: str | None  # hybrid: each captured sample's states also go into this store
     rank: int
     compress_threads: int = 2  # hybrid: the store writer's zstd threads
+    engine_state_dir: str | None = None  # train.capture_engine vllm: the capture server's state (run/server)
+    engine_timeout_s: float = 600.0  # per sample: its request and the hand-over of its states
     stop: bool = False
 
 
