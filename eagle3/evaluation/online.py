@@ -22,7 +22,10 @@ from eagle3.progress import Progress
 
 async def chat(client: httpx.AsyncClient, url: str, messages: list[dict], temperature: float, max_tokens: int,
                seed: int | None) -> dict[str, Any]:
-    request = {"model": "target", "messages": messages, "temperature": temperature, "max_tokens": max_tokens}
+    # return_token_ids: the prompt and answer tokens as the engine saw and generated them, so the offline
+    # decoder can replay the engine's own answers (the same-text agreement check, results.py)
+    request = {"model": "target", "messages": messages, "temperature": temperature, "max_tokens": max_tokens,
+               "return_token_ids": True}
     if seed is not None:
         request["seed"] = seed
     response = await client.post(f"{url}/v1/chat/completions", timeout=1800, json=request)
@@ -70,10 +73,24 @@ def request_seed(params: EvaluateParams, state: server.ServerState) -> int | Non
     return params.seed if state.gpu else None
 
 
+@dataclasses.dataclass
+class EngineAnswers:
+    stats: list[DecodeStats]  # per item, over its turns
+    tokens: list[list[tuple[list[int], list[int]]]]  # per item, per turn: (prompt ids, answer ids) as served
+
+
+def answer_tokens(body: dict[str, Any]) -> tuple[list[int], list[int]]:
+    prompt, answer = body.get("prompt_token_ids"), body["choices"][0].get("token_ids")
+    if prompt is None or answer is None:
+        raise EvaluateError("vLLM's response carries no prompt_token_ids / choices[0].token_ids although the "
+                            "request asked for return_token_ids: this vLLM is older than the one pinned (0.32)")
+    return prompt, answer
+
+
 def counted(state: server.ServerState, items: list[dict], params: EvaluateParams, temperature: float,
-            max_tokens: int) -> list[DecodeStats]:
-    """Per-item counts from the responses, checked against what /metrics counted over the same requests:
-    the two readings of the engine's acceptance must be one."""
+            max_tokens: int) -> EngineAnswers:
+    """Per-item counts from the responses, checked against what /metrics counted over the same requests
+    (the two readings of the engine's acceptance must be one), and the tokens of every answer."""
     before = scrape(state.url)
     answered = asyncio.run(answer_all(state.url, items, params.answer_concurrency, temperature, max_tokens,
                                       f"evaluate vLLM T={temperature:g}, {max_tokens} tokens",
@@ -84,13 +101,14 @@ def counted(state: server.ServerState, items: list[dict], params: EvaluateParams
         per_item.append(DecodeStats(accepted_per_pos=[0] * params.num_speculative_tokens))
         for body in bodies:
             per_item[-1].add(request_stats(body, params.num_speculative_tokens))
+    tokens = [[answer_tokens(body) for body in bodies] for bodies in answered]
     total = pooled(per_item)
     from_metrics = [after["drafts"] - before.get("drafts", 0)] + [after[f"pos{i}"] - before.get(f"pos{i}", 0)
                                                                    for i in range(params.num_speculative_tokens)]
     if from_metrics != [total.rounds, *total.accepted_per_pos]:
         raise EvaluateError(f"vLLM at T={temperature:g}: the responses count {total.rounds} drafts and accepts per "
                             f"position {total.accepted_per_pos}, /metrics {from_metrics[0]:g} and {from_metrics[1:]}")
-    return per_item
+    return EngineAnswers(per_item, tokens)
 
 
 def output_tokens_per_s(url: str, items: list[dict], params: EvaluateParams, concurrency: int) -> float:
@@ -120,7 +138,8 @@ def throughput(url: str, items: list[dict], params: EvaluateParams) -> dict[str,
 def online_eval(params: EvaluateParams, record: dict, items: list[dict], long_items: list[dict],
                 paths: EvalPaths = EvalPaths()) -> dict[str, Any]:
     """The same questions through vLLM serving target + drafter, at every temperature, and the long
-    answers at T=0: per-item counts (see `counted`); then output tokens/s with and without the drafter."""
+    answers at T=0: per-item counts and answer tokens (see `counted`); then output tokens/s with and without
+    the drafter."""
     state = serve(params, record, speculative=True, paths=paths)
     try:
         result: dict[str, Any] = {t: counted(state, items, params, t, params.max_new_tokens)

@@ -29,7 +29,8 @@ class EvaluateParams:
     offline_batch_size: int  # prompts per batched greedy generate (offline, T=0)
     throughput_prompts: int  # prompts timed at batch 1 and at `concurrency`, with and without the drafter
     measure_baseline: bool  # also serve the target alone for the throughput comparison
-    agreement_tolerance: float  # |offline - vLLM| / vLLM acceptance length, at every temperature both ran
+    agreement_tolerance: float  # |offline - vLLM| / vLLM acceptance length on the same questions, at T > 0
+    replay_tolerance: float  # the same along vLLM's own T=0 answers (the same text: only the drafts differ)
     seed: int
     port: int
 
