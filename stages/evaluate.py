@@ -1,13 +1,15 @@
 """Stage `evaluate`: acceptance of the drafter offline (our decoder) and in the real engine (vLLM).
 
-Questions are drawn evenly by category from each set of `evaluate.sets`. Offline, the target answers
+Questions are drawn evenly by category from each set of `evaluate.sets`. Offline, the target runs
 through transformers and our chain speculative decoder counts what a round accepts, with the aux ids
 and vocabulary map the drafter was TRAINED with, drafting as vLLM drafts (greedily); in vLLM, the
 target is served with the exported drafter (`--speculative-config eagle3`) and each response carries
-its acceptance counts (checked against /metrics) and tokens. The two must agree: at T=0 and on the
-long answers on the same text (our decoder replayed along vLLM's answers, `evaluate.replay_tolerance`),
-at T > 0 on the same questions (offline on a subset, `evaluate.agreement_tolerance`); and the export's
-aux ids and d2t must equal the training record's, else the stage fails before anyone deploys the drafter. Writes metrics/evaluate.json and the plots.
+its acceptance counts (checked against /metrics) and tokens. At T=0 and on the long answers our
+decoder counts along vLLM's own answers (the same text: within `evaluate.replay_tolerance`; with
+`online: false`, along the target's greedy answers through transformers); at T > 0 it samples its own
+answers on a subset (within `evaluate.agreement_tolerance` of vLLM on those questions). And the
+export's aux ids and d2t must equal the training record's, else the stage fails before anyone deploys
+the drafter. Writes metrics/evaluate.json and the plots.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from eagle3.evaluation.offline import OfflineEvaluator
 from eagle3.evaluation.online import online_eval
 from eagle3.evaluation.params import EvalPaths, EvaluateParams
 from eagle3.evaluation.questions import first_of_each_set, questions
-from eagle3.evaluation.results import evaluation_metrics, summary_lines, write_plots
+from eagle3.evaluation.results import evaluation_metrics, pick, summary_lines, write_plots
 from eagle3.metrics import write_metrics
 from eagle3.params import load_section
 from eagle3.target.record import load_record
@@ -43,19 +45,19 @@ def main() -> None:
     offline_indices = {t: greedy if t == 0 else first_of_each_set(items, params.offline_sampling_questions)
                        for t in params.temperatures}
     long_items = [item for item in items if item["set"] == items[0]["set"]][: params.long_answer_questions]
-    # vLLM first: at T=0 our decoder replays along the engine's own answers (the agreement check)
+    # vLLM first: at T=0 our decoder counts along the engine's own answers (the same text; results.py)
     online = online_eval(params, record, items, long_items) if params.online else None
     offline = None
     if params.offline:
         evaluator = OfflineEvaluator(params, record, tokenizer, paths)
-        offline = {t: evaluator.run([items[i] for i in offline_indices[t]], t, params.max_new_tokens)[0]
+        offline = {t: (evaluator.replay_answers(pick(online[t].tokens, offline_indices[t]), "vLLM's T=0 answers")
+                       if t == 0 and online else
+                       evaluator.run(pick(items, offline_indices[t]), t, params.max_new_tokens))[0]
                    for t in params.temperatures}
         if long_items:
-            offline["long"] = evaluator.run(long_items, 0.0, params.long_max_new_tokens, params.max_new_tokens)
-        if online:
-            offline["vllm_answers"] = {key: evaluator.replay_answers(online[key].tokens, f"vLLM's {label}")
-                                       for key, label in ((0.0, "T=0 answers"), ("long", "long answers"))
-                                       if key in online}
+            offline["long"] = (evaluator.replay_answers(online["long"].tokens, "vLLM's long answers",
+                                                        params.max_new_tokens) if online else
+                               evaluator.run(long_items, 0.0, params.long_max_new_tokens, params.max_new_tokens))
         offline["draft_vocab_coverage"] = round(evaluator.draft_vocab_coverage(), 4)
     metrics, failures = evaluation_metrics(params, items, offline, online, offline_indices, long_items,
                                            sampling_fix_status())

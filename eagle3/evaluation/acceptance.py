@@ -55,13 +55,9 @@ def summary(items: list[dict], per_item: list[DecodeStats]) -> dict[str, Any]:
             "acceptance_length": round(sum(s["acceptance_length"] for s in sets.values()) / len(sets), 4), "sets": sets}
 
 
-def relative_gap(offline: dict, online: dict) -> float:
-    return abs(offline["acceptance_length"] - online["acceptance_length"]) / max(online["acceptance_length"], 1e-9)
-
-
 def agreement_failure(offline: dict, online: dict, tolerance: float, what: str) -> tuple[float, str | None]:
     """(relative gap, the failure if it exceeds the tolerance) of two summaries of the same questions."""
-    gap = relative_gap(offline, online)
+    gap = abs(offline["acceptance_length"] - online["acceptance_length"]) / max(online["acceptance_length"], 1e-9)
     if gap <= tolerance:
         return round(gap, 4), None
     curves = "\n".join(f"  position {i}: offline {o:.3f}  vLLM {v:.3f}"

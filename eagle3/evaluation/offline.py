@@ -139,20 +139,26 @@ class OfflineEvaluator:
                 progress.update(1, extra=f"acceptance length {pooled(per_item).acceptance_length():.3f}")
         return per_item, heads
 
-    def replay_answers(self, answers: list[list[tuple[list[int], list[int]]]], label: str) -> list[DecodeStats]:
-        """Each item's counts along ANOTHER decoder's greedy answers (per turn: prompt ids, answer ids),
-        e.g. the engine's: on the same text, what our decoder accepts where the engine drafted. Two greedy
-        decoders' own answers part after a few hundred tokens on numerics alone, which moves acceptance
-        more than a faulty export would on a few questions; the same text leaves only the drafts to differ."""
+    def replay_answers(self, answers: list[list[tuple[list[int], list[int]]]], label: str,
+                       head_tokens: int | None = None) -> tuple[list[DecodeStats], list[DecodeStats]]:
+        """`run`'s counts at T=0 along ANOTHER decoder's greedy answers (per item, per turn: prompt ids,
+        answer ids), the engine's: what our decoder accepts on the very text the engine drafted on, from
+        one target forward per answer. Two greedy decoders' own answers part after some hundred tokens on
+        kernel numerics alone, which moves acceptance more than a faulty export would on a few questions."""
         decoder, k = self.decoder, self.params.num_speculative_tokens
         decoder.temperature = 0.0
         per_item = [DecodeStats(accepted_per_pos=[0] * k) for _ in answers]
+        heads = [DecodeStats(accepted_per_pos=[0] * k) for _ in answers]
         progress = Progress(f"evaluate offline along {label}", sum(map(len, answers)), "answers")
-        for stats, turns in zip(per_item, answers):
+        for stats, head, turns in zip(per_item, heads, answers):
             for prompt, reply in turns:
-                stats.add(decoder.replay(prompt, reply, stop=len(reply)))
+                aux = decoder.aux_states(prompt + reply)
+                stats.add(decoder.replay(prompt, reply, stop=len(reply), aux=aux))
+                if head_tokens:
+                    head.add(decoder.replay(prompt, reply, stop=min(head_tokens, len(reply)), aux=aux))
+                self.replies.append(reply)
                 progress.update(1, extra=f"acceptance length {pooled(per_item).acceptance_length():.3f}")
-        return per_item
+        return per_item, heads
 
     def draft_vocab_coverage(self) -> float:
         return draft_vocab_coverage(self.replies, np.load(self.paths.vocab / "t2d.npy"))

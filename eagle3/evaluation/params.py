@@ -30,7 +30,7 @@ class EvaluateParams:
     throughput_prompts: int  # prompts timed at batch 1 and at `concurrency`, with and without the drafter
     measure_baseline: bool  # also serve the target alone for the throughput comparison
     agreement_tolerance: float  # |offline - vLLM| / vLLM acceptance length on the same questions, at T > 0
-    replay_tolerance: float  # the same along vLLM's own T=0 answers (the same text: only the drafts differ)
+    replay_tolerance: float  # the same at T=0 and on the long answers, offline along vLLM's own answers
     seed: int
     port: int
 

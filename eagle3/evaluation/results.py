@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.atomic import atomic_write_json
-from eagle3.evaluation.acceptance import agreement_failure, figures, pooled, relative_gap, summary
+from eagle3.evaluation.acceptance import agreement_failure, figures, pooled, summary
 from eagle3.evaluation.online import EngineAnswers
 from eagle3.evaluation.params import EvaluateParams
 from eagle3.evaluation.speculative import DecodeStats
@@ -20,25 +20,25 @@ def pick(values: list, indices: list[int]) -> list:
     return [values[i] for i in indices]
 
 
+def tolerance(params: EvaluateParams, t: float) -> float:
+    """At T=0 the offline counts follow vLLM's own answers (stages/evaluate.py): one text, only the
+    drafts differ, so the bound is tight. At T > 0 each samples its own answers to the same questions."""
+    return params.replay_tolerance if t == 0 else params.agreement_tolerance
+
+
 def temperature_figures(params: EvaluateParams, items: list[dict], t: float, offline: list[DecodeStats] | None,
-                        online: EngineAnswers | None, offline_indices: list[int], fix_status: str,
-                        replayed: list[DecodeStats] | None) -> tuple[dict[str, Any], str | None]:
+                        online: EngineAnswers | None, offline_indices: list[int], fix_status: str
+                        ) -> tuple[dict[str, Any], str | None]:
     """One temperature: offline on its questions (a subset of each set, or all of them at T=0), vLLM on
-    all and on the offline's questions. The agreement check: at T=0 on the same text (our decoder replayed
-    along vLLM's own answers, `replay_tolerance`), at T > 0 on the same questions (`agreement_tolerance`)."""
+    all and on the offline's questions (the agreement check compares the same questions)."""
     result: dict[str, Any] = {"offline": summary(pick(items, offline_indices), offline) if offline else None,
                               "vllm": summary(items, online.stats) if online else None}
     failure = None
     if offline and online:
         same = summary(pick(items, offline_indices), pick(online.stats, offline_indices))
         result["vllm_on_offline_questions"] = same["acceptance_length"]
-        gap, failure = agreement_failure(result["offline"], same, params.agreement_tolerance, f"T={t:g}")
-        if replayed is None:
-            result["agreement_gap"] = gap
-        else:  # each decoder's own answers: information; the same text: the check
-            result["own_answers_gap"] = gap
-            result["agreement_gap"], failure = same_text_agreement(params, items, replayed, online, f"T={t:g}",
-                                                                   result)
+        result["agreement_gap"], failure = agreement_failure(result["offline"], same, tolerance(params, t),
+                                                             f"T={t:g}")
         result["agreement"] = failure is None
     if online and t > 0 and not fix_status.startswith(("applied", "not_needed")):
         result["vllm_reliable"] = False
@@ -47,21 +47,10 @@ def temperature_figures(params: EvaluateParams, items: list[dict], t: float, off
     return result, failure
 
 
-def same_text_agreement(params: EvaluateParams, items: list[dict], replayed: list[DecodeStats],
-                        online: EngineAnswers, what: str, result: dict[str, Any]) -> tuple[float, str | None]:
-    """Our decoder's acceptance along vLLM's greedy answers against vLLM's own count on them: the
-    drafts alone differ, so the tolerance is tight (numerics of two kernels, not two texts)."""
-    along, engine = summary(items, replayed), summary(items, online.stats)
-    result["offline_on_vllm_answers"] = {key: along[key] for key in ("acceptance_length", "per_position")}
-    return agreement_failure(along, engine, params.replay_tolerance, f"{what}, along vLLM's own answers")
-
-
 def long_answer_figures(params: EvaluateParams, items: list[dict], offline: tuple | None,
-                        online: EngineAnswers | None, replayed: list[DecodeStats] | None
-                        ) -> tuple[dict[str, Any], str | None]:
+                        online: EngineAnswers | None) -> tuple[dict[str, Any], str | None]:
     """Acceptance along answers of up to long_max_new_tokens at T=0: over the whole answer, and offline
-    over its first max_new_tokens tokens and the rest (does it hold along an answer?). The agreement
-    check is on the same text, as at T=0."""
+    over its first max_new_tokens tokens and the rest (does it hold along an answer?)."""
     result: dict[str, Any] = {"max_new_tokens": params.long_max_new_tokens, "questions": len(items)}
     if offline:
         whole, heads = pooled(offline[0]), pooled(offline[1])
@@ -74,33 +63,29 @@ def long_answer_figures(params: EvaluateParams, items: list[dict], offline: tupl
         result["vllm"] = figures(pooled(online.stats))
     failure = None
     if offline and online:
-        result["own_answers_gap"] = round(relative_gap(result["offline"], result["vllm"]), 4)
-    if replayed and online:
-        result["agreement_gap"], failure = same_text_agreement(params, items, replayed, online, "long answers, T=0",
-                                                               result)
+        result["agreement_gap"], failure = agreement_failure(result["offline"], result["vllm"], tolerance(params, 0.0),
+                                                             "long answers, T=0")
     return result, failure
 
 
 def evaluation_metrics(params: EvaluateParams, items: list[dict], offline: dict | None, online: dict | None,
                        offline_indices: dict[float, list[int]], long_items: list[dict], fix_status: str
                        ) -> tuple[dict[str, Any], list[str]]:
-    """(the metrics, the agreement failures). Headline: T=0, mean over the sets. `offline["vllm_answers"]`:
-    our decoder's counts along vLLM's T=0 answers (key 0.0) and long answers (key "long"), if it ran."""
+    """(the metrics, the agreement failures). Headline: T=0, mean over the sets."""
     metrics: dict[str, Any] = {"num_draft_tokens": params.num_speculative_tokens,
                                "max_new_tokens": params.max_new_tokens, "turns": params.turns,
                                "questions": dict(params.sets), "temperatures": list(params.temperatures),
                                "vllm_sampling_fix": fix_status}
     failures = []
-    replayed = (offline or {}).get("vllm_answers", {})
     for t in params.temperatures:
         result, failure = temperature_figures(params, items, t, offline and offline[t],
-                                              online and online[t], offline_indices[t], fix_status, replayed.get(t))
+                                              online and online[t], offline_indices[t], fix_status)
         metrics[temperature_key(t)] = result
         if failure and result.get("vllm_reliable", True):
             failures.append(failure)
     if long_items:
         metrics["long_answers"], failure = long_answer_figures(params, long_items, offline and offline["long"],
-                                                               online and online["long"], replayed.get("long"))
+                                                               online and online["long"])
         failures += [failure] if failure else []
     greedy = metrics.get(temperature_key(0.0), {})
     for path in ("offline", "vllm"):
@@ -137,14 +122,6 @@ def write_plots(metrics: dict[str, Any]) -> None:
     atomic_write_json(Path("metrics/evaluate_categories.json"), rows)
 
 
-def agreement_words(result: dict[str, Any]) -> str:
-    along = result.get("offline_on_vllm_answers")
-    if along is None:
-        return f"agreement gap {result.get('agreement_gap')}"
-    return (f"offline along vLLM's answers {along['acceptance_length']}, agreement gap {result.get('agreement_gap')} "
-            f"(each on its own answers: {result.get('own_answers_gap')})")
-
-
 def summary_lines(metrics: dict[str, Any]) -> list[str]:
     """What the stage prints: each temperature's headline and per-set figures, and the long answers."""
     lines = []
@@ -155,13 +132,13 @@ def summary_lines(metrics: dict[str, Any]) -> list[str]:
         unreliable = ("" if result.get("vllm_reliable", True)
                       else f"; vLLM UNRELIABLE: {result['vllm_unreliable_reason']}")
         lines.append(f"evaluate: T={t:g}, k={metrics['num_draft_tokens']}: acceptance length (mean over sets) offline "
-                     f"{offline.get('acceptance_length')}, vLLM {vllm.get('acceptance_length')} ({per_set}); "
-                     f"{agreement_words(result)}{unreliable}")
+                     f"{offline.get('acceptance_length')}, vLLM {vllm.get('acceptance_length')} ({per_set}); agreement "
+                     f"gap {result.get('agreement_gap')}{unreliable}")
     long = metrics.get("long_answers")
     if long:
         offline = {key: value for key, value in (long.get("offline") or {}).items()
                    if "acceptance" in key or "tokens" in key}
         lines.append(f"evaluate: long answers ({long['questions']} questions, up to {long['max_new_tokens']} tokens, "
-                     f"T=0): offline {offline}, vLLM {(long.get('vllm') or {}).get('acceptance_length')}; "
-                     f"{agreement_words(long)}")
+                     f"T=0): offline {offline}, vLLM {(long.get('vllm') or {}).get('acceptance_length')}; agreement "
+                     f"gap {long.get('agreement_gap')}")
     return lines

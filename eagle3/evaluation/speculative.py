@@ -112,6 +112,12 @@ class SpecDecoder:
         return drafts == expected.unfold(0, k, 1)[2 : 2 + anchors]
 
     @torch.no_grad()
+    def aux_states(self, tokens: list[int]) -> Tensor:
+        """The target's aux states over `tokens`, from one forward of its decoder (no logits)."""
+        self.target.get_decoder()(input_ids=self.ids([tokens]), use_cache=False)
+        return self.capture.take()[0][0]
+
+    @torch.no_grad()
     def replay(self, prompt_ids: list[int], continuation: list[int], stop: int,
                aux: Tensor | None = None) -> DecodeStats:
         """Temperature 0 only: the rounds `generate(prompt_ids, stop, ...)` runs, from ONE target forward
@@ -128,8 +134,7 @@ class SpecDecoder:
             raise ValueError("replay is exact only at temperature 0; use generate")
         tokens = list(prompt_ids) + list(continuation)
         if aux is None:
-            self.target.get_decoder()(input_ids=self.ids([tokens]), use_cache=False)
-            aux = self.capture.take()[0][0]
+            aux = self.aux_states(tokens)
         matches = self.draft_matches(tokens, aux).tolist()
         stats = DecodeStats(accepted_per_pos=[0] * self.k)
         n, i = len(prompt_ids), 0  # continuation[i] is the token the next round starts from
