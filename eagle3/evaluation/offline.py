@@ -64,6 +64,26 @@ def greedy_answers(target: Any, prompts: list[list[int]], max_new_tokens: int, e
     return answers
 
 
+def replay_along(decoder: SpecDecoder, answers: list[list[tuple[list[int], list[int]]]], progress: Progress,
+                 head_tokens: int | None = None) -> tuple[list[DecodeStats], list[DecodeStats]]:
+    """Each item's counts at T=0 along ANOTHER decoder's greedy answers (per item, per turn: prompt ids,
+    answer ids), the engine's: what our decoder accepts on the very text the engine drafted on, from one
+    target forward per answer; and (head_tokens) over each answer's first head_tokens tokens. Two greedy
+    decoders' own answers part after some hundred tokens on kernel numerics alone, which moves acceptance
+    more than a faulty export would on a few questions."""
+    k = decoder.k
+    per_item = [DecodeStats(accepted_per_pos=[0] * k) for _ in answers]
+    heads = [DecodeStats(accepted_per_pos=[0] * k) for _ in answers]
+    for stats, head, turns in zip(per_item, heads, answers):
+        for prompt, reply in turns:
+            aux = decoder.aux_states(prompt + reply)
+            stats.add(decoder.replay(prompt, reply, stop=len(reply), aux=aux))
+            if head_tokens:
+                head.add(decoder.replay(prompt, reply, stop=min(head_tokens, len(reply)), aux=aux))
+            progress.update(1, extra=f"acceptance length {pooled(per_item).acceptance_length():.3f}")
+    return per_item, heads
+
+
 def draft_vocab_coverage(answers: list[list[int]], t2d: np.ndarray) -> float:
     """Share of the answers' tokens inside the draft vocabulary. A token outside it is never
     drafted, so this bounds how often a draft can be accepted; the vocab stage's coverage is that of
@@ -141,24 +161,11 @@ class OfflineEvaluator:
 
     def replay_answers(self, answers: list[list[tuple[list[int], list[int]]]], label: str,
                        head_tokens: int | None = None) -> tuple[list[DecodeStats], list[DecodeStats]]:
-        """`run`'s counts at T=0 along ANOTHER decoder's greedy answers (per item, per turn: prompt ids,
-        answer ids), the engine's: what our decoder accepts on the very text the engine drafted on, from
-        one target forward per answer. Two greedy decoders' own answers part after some hundred tokens on
-        kernel numerics alone, which moves acceptance more than a faulty export would on a few questions."""
-        decoder, k = self.decoder, self.params.num_speculative_tokens
-        decoder.temperature = 0.0
-        per_item = [DecodeStats(accepted_per_pos=[0] * k) for _ in answers]
-        heads = [DecodeStats(accepted_per_pos=[0] * k) for _ in answers]
-        progress = Progress(f"evaluate offline along {label}", sum(map(len, answers)), "answers")
-        for stats, head, turns in zip(per_item, heads, answers):
-            for prompt, reply in turns:
-                aux = decoder.aux_states(prompt + reply)
-                stats.add(decoder.replay(prompt, reply, stop=len(reply), aux=aux))
-                if head_tokens:
-                    head.add(decoder.replay(prompt, reply, stop=min(head_tokens, len(reply)), aux=aux))
-                self.replies.append(reply)
-                progress.update(1, extra=f"acceptance length {pooled(per_item).acceptance_length():.3f}")
-        return per_item, heads
+        """`run`'s counts at T=0 along the engine's answers (`replay_along`)."""
+        self.decoder.temperature = 0.0
+        self.replies += [reply for turns in answers for _, reply in turns]
+        return replay_along(self.decoder, answers, Progress(f"evaluate offline along {label}",
+                                                            sum(map(len, answers)), "answers"), head_tokens)
 
     def draft_vocab_coverage(self) -> float:
         return draft_vocab_coverage(self.replies, np.load(self.paths.vocab / "t2d.npy"))
