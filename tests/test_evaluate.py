@@ -96,6 +96,15 @@ def test_per_request_counts_from_the_engines_histogram():
         request_stats({"usage": {"completion_tokens": 3}, "metrics": None}, 3)
 
 
+def test_the_engines_answer_tokens_are_read_or_refused_by_name():
+    from eagle3.evaluation.online import answer_tokens
+
+    body = {"prompt_token_ids": [1, 2, 3], "choices": [{"token_ids": [7, 8], "message": {"content": "x"}}]}
+    assert answer_tokens(body) == ([1, 2, 3], [7, 8])
+    with pytest.raises(ValueError, match="no prompt_token_ids / choices\\[0\\].token_ids"):
+        answer_tokens({"choices": [{"message": {"content": "x"}}]})
+
+
 def test_requests_carry_their_seed_only_to_a_gpu_server():
     from eagle3.engine.state import ServerState
     from eagle3.evaluation.online import request_seed
