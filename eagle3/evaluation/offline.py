@@ -64,6 +64,14 @@ def greedy_answers(target: Any, prompts: list[list[int]], max_new_tokens: int, e
     return answers
 
 
+def replay_counts(decoder: SpecDecoder, prompt: list[int], reply: list[int], aux: Tensor,
+                  head_tokens: int | None) -> tuple[DecodeStats, DecodeStats | None]:
+    """One greedy answer's counts at T=0 from the aux states over prompt + answer, and (head_tokens)
+    those over its first head_tokens tokens, from the same states."""
+    head = (decoder.replay(prompt, reply, stop=min(head_tokens, len(reply)), aux=aux) if head_tokens else None)
+    return decoder.replay(prompt, reply, stop=len(reply), aux=aux), head
+
+
 def replay_along(decoder: SpecDecoder, answers: list[list[tuple[list[int], list[int]]]], progress: Progress,
                  head_tokens: int | None = None) -> tuple[list[DecodeStats], list[DecodeStats]]:
     """Each item's counts at T=0 along ANOTHER decoder's greedy answers (per item, per turn: prompt ids,
@@ -76,10 +84,10 @@ def replay_along(decoder: SpecDecoder, answers: list[list[tuple[list[int], list[
     heads = [DecodeStats(accepted_per_pos=[0] * k) for _ in answers]
     for stats, head, turns in zip(per_item, heads, answers):
         for prompt, reply in turns:
-            aux = decoder.aux_states(prompt + reply)
-            stats.add(decoder.replay(prompt, reply, stop=len(reply), aux=aux))
-            if head_tokens:
-                head.add(decoder.replay(prompt, reply, stop=min(head_tokens, len(reply)), aux=aux))
+            whole, first = replay_counts(decoder, prompt, reply, decoder.aux_states(prompt + reply), head_tokens)
+            stats.add(whole)
+            if first:
+                head.add(first)
             progress.update(1, extra=f"acceptance length {pooled(per_item).acceptance_length():.3f}")
     return per_item, heads
 
@@ -150,9 +158,9 @@ class OfflineEvaluator:
                     reply, stats = decoder.generate(prompt, max_new_tokens, self.eos)
                 else:
                     reply = answer.tokens
-                    stats = decoder.replay(prompt, reply, stop=len(reply), aux=answer.aux)
-                    if head_tokens:
-                        heads[i].add(decoder.replay(prompt, reply, stop=min(head_tokens, len(reply)), aux=answer.aux))
+                    stats, first = replay_counts(decoder, prompt, reply, answer.aux, head_tokens)
+                    if first:
+                        heads[i].add(first)
                 answers[i].append(self.tokenizer.decode(reply, skip_special_tokens=True))
                 self.replies.append(reply)
                 per_item[i].add(stats)
