@@ -26,10 +26,10 @@ from eagle3.model.checkpoint import save_drafter, validate
 from eagle3.model.drafter import Drafter, DrafterConfig
 from eagle3.store.codec import from_fp8, to_fp8
 from eagle3.store.layout import merge_index, write_manifest
-from eagle3.store.reader import Fp8States, StatePlanes
+from eagle3.store.reader import Fp8States, HiddenStore, StatePlanes
 from eagle3.store.writer import ShardWriter
 from eagle3.training import state as train_state
-from eagle3.training.data import Batch, collate, make_plan
+from eagle3.training.data import Batch, collate, is_heldout, make_plan
 from eagle3.training.loop import train
 from eagle3.training.objective import DraftLoss
 from eagle3.training.params import Paths, TrainError, TrainParams, check_params
@@ -334,6 +334,20 @@ def test_teacher_applies_final_norm_and_draft_rows_of_an_untied_sharded_head(tmp
     with torch.no_grad():
         logits = model(torch.from_numpy(tokens).long()[None]).logits[0]
         torch.testing.assert_close(teacher.states(last) @ teacher.head.T, logits[:, ids], rtol=1e-4, atol=1e-4)
+    assert teacher.full_head is None  # only the draft rows unless asked
+    whole = load_teacher(record, target_config(tmp_path), d2t, pre_norm=True, full_head=True)
+    expected = torch.isin(logits.argmax(-1), ids)
+    assert 0 < int(expected.sum()) < len(tokens)  # both kinds of position, or the check shows nothing
+    assert torch.equal(whole.in_draft_vocab(last, chunk_size=7), expected)
+    assert torch.equal(whole.in_draft_vocab(last.view(4, 5, HIDDEN), chunk_size=3), expected.view(4, 5))
+
+
+def test_a_tied_teachers_whole_head_is_its_embedding_one_copy_on_the_device(workspace):
+    record = json.loads((workspace / "artifacts" / "target" / "target.json").read_text())
+    d2t = torch.from_numpy(np.load(workspace / "artifacts" / "vocab" / "d2t.npy"))
+    teacher = load_teacher(record, target_config(workspace / "artifacts" / "target"), d2t, pre_norm=True,
+                           full_head=True).to(torch.device("cpu"), torch.float64)
+    assert teacher.full_head is teacher.embed and teacher.drafted.sum() == DRAFT_VOCAB
 
 
 # ----------------------------------------------------------------------------------- real runs
@@ -410,6 +424,46 @@ def test_rerun_resumes_at_the_end_without_training(trained, tmp_path, monkeypatc
     assert record["resumed_from_step"] == 16 and record["items"] == 0
     rerun = weights(again.out)
     assert all(torch.equal(tensor, rerun[name]) for name, tensor in weights(paths.out).items())
+
+
+def test_out_of_vocab_weight_0_drops_the_positions_whose_target_argmax_is_no_draft_token(
+        workspace, tmp_path, monkeypatch):
+    """Every training batch, the first epoch's (found) and the later ones' (kept), weighs 0 exactly
+    the positions where the target's argmax over its whole vocabulary is outside the draft vocab;
+    the share reported is the one the target's own forward gives."""
+    from eagle3.training import loop
+
+    monkeypatch.chdir(tmp_path)
+    model = tiny_llama()
+    draft_ids = torch.arange(0, VOCAB, VOCAB // DRAFT_VOCAB)
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    original = loop.train_step
+
+    def train_step(run, batches, lr):
+        seen.extend((b.next_weight.clone(), b.next_last.clone()) for b in batches)
+        return original(run, batches, lr)
+
+    monkeypatch.setattr(loop, "train_step", train_step)
+    params = small_params(out_of_vocab_weight=0.0, prompt_loss_weight=1.0)
+    record = train(params, paths_for(workspace, tmp_path))
+    assert len(seen) == record["steps"] * params.batches_per_step
+    with torch.no_grad():
+        for weight, last in seen:
+            inside = last.abs().sum(-1) > 0  # real positions: padding states are zeros
+            argmax = model.lm_head(model.model.norm(last)).argmax(-1)
+            assert torch.equal(weight, (inside & torch.isin(argmax, draft_ids)).float())
+
+    positions = in_vocab = 0
+    store = HiddenStore(workspace / "artifacts" / "hidden")
+    for row, sample_id in enumerate(store.sample_ids):
+        if not is_heldout(sample_id, params.eval_fraction):
+            ids = torch.from_numpy(store.read_row(row).arrays["input_ids"][: params.max_seq_len]).long()
+            with torch.no_grad():
+                argmax = model(ids[None]).logits[0, 1:].argmax(-1)
+            positions, in_vocab = positions + len(argmax), in_vocab + int(torch.isin(argmax, draft_ids).sum())
+    assert record["out_of_vocab_weight"] == 0.0
+    assert 0.1 < record["out_of_vocab_share"] < 0.9
+    assert abs(record["out_of_vocab_share"] - (1 - in_vocab / positions)) < 0.02  # bf16 states: a near tie may flip
 
 
 def free_port() -> int:
@@ -557,6 +611,8 @@ def test_params_that_cannot_work_are_refused_by_name():
         check_params(small_params(max_seq_len=200), world=1)
     with pytest.raises(TrainError, match=r"train.dropout=1.0 must be in \[0, 1\)"):
         check_params(small_params(dropout=1.0), world=1)
+    with pytest.raises(TrainError, match=r"train.out_of_vocab_weight=1.5 must be in \[0, 1\]"):
+        check_params(small_params(out_of_vocab_weight=1.5), world=1)
     with pytest.raises(TrainError, match=r"train.drafter='mla' is not one of \['llama', 'deepseek_mla'\]"):
         check_params(small_params(drafter="mla"), world=1)
 

@@ -20,7 +20,7 @@ import shutil
 import sys
 import time
 from collections.abc import Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +136,9 @@ class Run:
     capture: CaptureProcess | None  # train.source online / hybrid
     hybrid_store: HiddenStore | None = None  # hybrid, once the first epoch has filled it
     wait_s: float = 0.0  # the loop waiting for states, whatever their source
+    # train.out_of_vocab_weight < 1: index row -> [tokens - 1] bool, is the target's argmax at
+    # positions 1.. a draft token (Batch.next_* column order)
+    in_vocab: dict[int, Tensor] = field(default_factory=dict)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.bf16_autocast:
@@ -150,17 +153,42 @@ class Run:
             return store_batches(self.filled_hybrid_store(), batches, self.params, pin)
         return self.capture.run(batches, store_dir=self.paths.hybrid if self.params.source == "hybrid" else None)
 
-    def batches(self, batches: list[list[int]], epoch: int) -> Generator[Batch, None, None]:
+    def batches(self, batches: list[list[int]], epoch: int, training: bool = True) -> Generator[Batch, None, None]:
+        """The batches on the device; training ones weighed by train.out_of_vocab_weight (held-out
+        figures stay on every position, as acceptance counts them)."""
         waited = time.monotonic()  # from here: a hybrid run's filling of its store is waiting too
         loader = self.states(batches, epoch)
+        weigh = training and self.params.out_of_vocab_weight != 1
         with contextlib.closing(loader):  # closing this generator stops the loader's threads now
-            while True:
-                batch = next(loader, None)
+            for stored, rows in zip(loader, batches):  # the loader first: it runs to its end
                 self.wait_s += time.monotonic() - waited
-                if batch is None:
-                    return
-                yield batch.to(self.dist.device, self.dtype)
+                batch = stored.to(self.dist.device, self.dtype)
+                yield self.weigh_out_of_vocab(batch, rows) if weigh else batch
                 waited = time.monotonic()
+
+    def weigh_out_of_vocab(self, batch: Batch, rows: list[int]) -> Batch:
+        """train.out_of_vocab_weight times the weight of the positions where the target's argmax
+        over its whole vocabulary is no draft token. A sample's positions are found in its first
+        batch (one [chunk, V] matmul per chunk of rows) and kept for the later epochs."""
+        new = [i for i, row in enumerate(rows) if row not in self.in_vocab]
+        if new:
+            with self.autocast():
+                found = self.loss.teacher.in_draft_vocab(batch.next_last[new], self.params.ce_chunk_size).cpu()
+            for i, flags in zip(new, found):
+                self.in_vocab[rows[i]] = flags[: int(self.plan.lengths[rows[i]]) - 1].clone()
+        keep = torch.ones(batch.next_weight.shape, dtype=torch.bool)  # past a sample the weight is 0 already
+        for i, row in enumerate(rows):
+            keep[i, : len(self.in_vocab[row])] = self.in_vocab[row]
+        keep = keep.to(batch.next_weight.device)
+        batch.next_weight = torch.where(keep, batch.next_weight, batch.next_weight * self.params.out_of_vocab_weight)
+        return batch
+
+    def out_of_vocab_share(self) -> float | None:
+        """Share of the positions weighed so far (this rank's) whose target argmax is no draft token."""
+        if not self.in_vocab:
+            return None
+        total = sum(len(flags) for flags in self.in_vocab.values())
+        return 1 - sum(int(flags.sum()) for flags in self.in_vocab.values()) / max(total, 1)
 
     def epoch_batches(self, epoch: int, start: int) -> Generator[Batch, None, None]:
         """This rank's batches of `epoch` from step `start` on: its share of every step."""
@@ -285,7 +313,7 @@ def evaluate(run: Run) -> dict[str, float] | None:
     zero = torch.zeros(k, device=run.dist.device)
     run.loss.eval()  # no dropout
     epoch = run.plan.position(run.state.step)[0]
-    for batch in run.batches(run.plan.heldout[run.dist.rank :: run.dist.world], epoch):
+    for batch in run.batches(run.plan.heldout[run.dist.rank :: run.dist.world], epoch, training=False):
         with run.autocast():
             _, losses, hits = run.loss(batch, zero)
         sums += torch.stack([losses, hits, batch.step_weights(k)])
@@ -454,6 +482,9 @@ def report(run: Run, heldout: dict[str, float] | None, dtype: torch.dtype, resum
         total_tokens=state.tokens,
         total_samples=state.samples,
         padding_fraction=round(plan.padding_fraction(), 4),
+        out_of_vocab_weight=params.out_of_vocab_weight,
+        # of the training positions this rank weighed: their target argmax is no draft token
+        out_of_vocab_share=None if (share := run.out_of_vocab_share()) is None else round(share, 4),
         world_size=run.dist.world,
         device=str(run.dist.device.type),
         drafter_parameters=sum(p.numel() for p in drafter.parameters()),

@@ -4,7 +4,8 @@ Per anchor t and TTT step k (alignment: eagle3/training/data.py): soft cross-ent
 drafter's distribution and the target's at position t+1+k (final norm applied when the store holds
 pre-norm states, lm_head rows of the draft vocabulary, softmax over those), averaged per step over
 the global batch with row weights 1 (predicted token generated) or prompt_loss_weight (any other
-valid row), summed over steps with weights step_decay^k.
+valid row), times out_of_vocab_weight where the target's argmax is no draft token (Run.weigh_out_of_vocab),
+summed over steps with weights step_decay^k.
 """
 
 from __future__ import annotations

@@ -34,6 +34,9 @@ class TrainParams:
     ttt_steps: int
     step_decay: float  # TTT step k weighs step_decay**k
     prompt_loss_weight: float  # weight of rows whose predicted token is not generated
+    # times the weight of rows where the target's argmax over its whole vocabulary is no draft token:
+    # there the drafter cannot be right (EAGLE-3's position mask is 0); 1 weighs them as any other
+    out_of_vocab_weight: float
     epochs: int
     max_seq_len: int  # longer samples are cut
     max_tokens_per_batch: int  # padded tokens of one forward (rows x longest)
@@ -107,6 +110,8 @@ def check_params(params: TrainParams, world: int) -> None:
         problems.append(f"dropout={params.dropout} must be in [0, 1)")
     if params.step_decay <= 0 or params.prompt_loss_weight < 0:
         problems.append("step_decay must be > 0 and prompt_loss_weight >= 0")
+    if not 0 <= params.out_of_vocab_weight <= 1:
+        problems.append(f"out_of_vocab_weight={params.out_of_vocab_weight} must be in [0, 1]")
     for name in ("epochs", "log_every", "checkpoint_every", "length_group", "ce_chunk_size"):
         if getattr(params, name) < 1:
             problems.append(f"{name}={getattr(params, name)} must be >= 1")

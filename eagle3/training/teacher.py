@@ -37,14 +37,31 @@ class Teacher:
     embed: Tensor  # [V, Ht] input embeddings
     head: Tensor  # [Vd, Ht] the target's lm_head rows of the draft vocabulary, in draft id order
     norm: RMSNorm | None  # the final norm; None when the stored last states are already normed
+    full_head: Tensor | None = None  # [V, Ht] the whole lm_head, where in_draft_vocab is asked
+    drafted: Tensor | None = None  # [V] bool: which target ids are draft tokens
 
     def to(self, device: torch.device, dtype: torch.dtype) -> Teacher:
         norm = None if self.norm is None else self.norm.to(device, dtype)
-        return Teacher(self.embed.to(device, dtype), self.head.to(device, dtype), norm)
+        embed = self.embed.to(device, dtype)
+        full_head = self.full_head
+        if full_head is not None:  # a tied head is the embedding: one copy on the device
+            full_head = embed if full_head is self.embed else full_head.to(device, dtype)
+        drafted = None if self.drafted is None else self.drafted.to(device)
+        return Teacher(embed, self.head.to(device, dtype), norm, full_head, drafted)
 
     def states(self, last: Tensor) -> Tensor:
         """The states the target's lm_head reads, from stored last states."""
         return last if self.norm is None else self.norm(last)
+
+    @torch.no_grad()
+    def in_draft_vocab(self, last: Tensor, chunk_size: int) -> Tensor:
+        """[...] bool for last states [..., Ht]: is the target's argmax over its whole vocabulary
+        a draft token? Logits are made chunk_size rows at a time ([chunk, V] at most)."""
+        if self.full_head is None or self.drafted is None:
+            raise TeacherError("in_draft_vocab needs the whole lm_head: load_teacher(..., full_head=True)")
+        states = self.states(last).flatten(0, -2)
+        top = torch.cat([(part @ self.full_head.T).argmax(-1) for part in states.split(chunk_size)])
+        return self.drafted[top].view(last.shape[:-1])
 
 
 def target_config(target_dir: Path) -> PretrainedConfig:
@@ -111,7 +128,9 @@ def teacher_tensor_names(names: Sequence[str]) -> tuple[str, str, str | None]:
     return embeds[0], norm, heads[0] if heads else None
 
 
-def load_teacher(record: dict[str, Any], config: PretrainedConfig, d2t: Tensor, pre_norm: bool) -> Teacher:
+def load_teacher(record: dict[str, Any], config: PretrainedConfig, d2t: Tensor, pre_norm: bool,
+                 full_head: bool = False) -> Teacher:
+    """full_head: keep the whole lm_head too (Teacher.in_draft_vocab), not only the draft rows."""
     files = tensor_files(record)
     embed_name, norm_name, head_name = teacher_tensor_names(list(files))
     if head_name is None and not config.tie_word_embeddings:
@@ -130,4 +149,9 @@ def load_teacher(record: dict[str, Any], config: PretrainedConfig, d2t: Tensor, 
     if pre_norm:
         norm = RMSNorm(config.hidden_size, config.rms_norm_eps).requires_grad_(False)
         norm.weight.copy_(tensors[norm_name])
-    return Teacher(embed, head[torch.arange(len(d2t)) + d2t], norm)
+    draft_ids = torch.arange(len(d2t)) + d2t
+    if not full_head:
+        return Teacher(embed, head[draft_ids], norm)
+    drafted = torch.zeros(config.vocab_size, dtype=torch.bool)
+    drafted[draft_ids] = True
+    return Teacher(embed, head[draft_ids], norm, head, drafted)
