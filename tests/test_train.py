@@ -335,7 +335,9 @@ def test_teacher_applies_final_norm_and_draft_rows_of_an_untied_sharded_head(tmp
         logits = model(torch.from_numpy(tokens).long()[None]).logits[0]
         torch.testing.assert_close(teacher.states(last) @ teacher.head.T, logits[:, ids], rtol=1e-4, atol=1e-4)
     assert teacher.full_head is None  # only the draft rows unless asked
-    whole = load_teacher(record, target_config(tmp_path), d2t, pre_norm=True, full_head=True)
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[ids] = True
+    whole = load_teacher(record, target_config(tmp_path), d2t, pre_norm=True, t2d=t2d)
     expected = torch.isin(logits.argmax(-1), ids)
     assert 0 < int(expected.sum()) < len(tokens)  # both kinds of position, or the check shows nothing
     assert torch.equal(whole.in_draft_vocab(last, chunk_size=7), expected)
@@ -345,8 +347,9 @@ def test_teacher_applies_final_norm_and_draft_rows_of_an_untied_sharded_head(tmp
 def test_a_tied_teachers_whole_head_is_its_embedding_one_copy_on_the_device(workspace):
     record = json.loads((workspace / "artifacts" / "target" / "target.json").read_text())
     d2t = torch.from_numpy(np.load(workspace / "artifacts" / "vocab" / "d2t.npy"))
+    t2d = torch.from_numpy(np.load(workspace / "artifacts" / "vocab" / "t2d.npy"))
     teacher = load_teacher(record, target_config(workspace / "artifacts" / "target"), d2t, pre_norm=True,
-                           full_head=True).to(torch.device("cpu"), torch.float64)
+                           t2d=t2d).to(torch.device("cpu"), torch.float64)
     assert teacher.full_head is teacher.embed and teacher.drafted.sum() == DRAFT_VOCAB
 
 

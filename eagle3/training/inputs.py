@@ -144,7 +144,7 @@ def load_inputs(params: TrainParams, paths: Paths) -> Inputs:
         drafter, d2t, t2d = build_drafter(params, config, aux_ids, paths.vocab)
     except ValueError as err:  # CheckpointError, DrafterConfig's checks: all name what is wrong
         raise TrainError(str(err)) from err
-    teacher = load_teacher(record, config, d2t, pre_norm, full_head=params.out_of_vocab_weight != 1)
+    teacher = load_teacher(record, config, d2t, pre_norm, t2d if params.out_of_vocab_weight != 1 else None)
     if params.head_init == "target" and not params.init_from:
         init_head_from_target(drafter, teacher)
     return Inputs(record, store, drafter, d2t, t2d, teacher, fingerprint(params, record, store, drafter, d2t, t2d))

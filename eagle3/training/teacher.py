@@ -58,7 +58,7 @@ class Teacher:
         """[...] bool for last states [..., Ht]: is the target's argmax over its whole vocabulary
         a draft token? Logits are made chunk_size rows at a time ([chunk, V] at most)."""
         if self.full_head is None or self.drafted is None:
-            raise TeacherError("in_draft_vocab needs the whole lm_head: load_teacher(..., full_head=True)")
+            raise TeacherError("in_draft_vocab needs the whole lm_head: load_teacher(..., t2d=...)")
         states = self.states(last).flatten(0, -2)
         top = torch.cat([(part @ self.full_head.T).argmax(-1) for part in states.split(chunk_size)])
         return self.drafted[top].view(last.shape[:-1])
@@ -129,8 +129,9 @@ def teacher_tensor_names(names: Sequence[str]) -> tuple[str, str, str | None]:
 
 
 def load_teacher(record: dict[str, Any], config: PretrainedConfig, d2t: Tensor, pre_norm: bool,
-                 full_head: bool = False) -> Teacher:
-    """full_head: keep the whole lm_head too (Teacher.in_draft_vocab), not only the draft rows."""
+                 t2d: Tensor | None = None) -> Teacher:
+    """t2d (the vocab map's [V] bool, which target ids are draft tokens): keep the whole lm_head too,
+    for Teacher.in_draft_vocab, not only the draft rows."""
     files = tensor_files(record)
     embed_name, norm_name, head_name = teacher_tensor_names(list(files))
     if head_name is None and not config.tie_word_embeddings:
@@ -149,9 +150,5 @@ def load_teacher(record: dict[str, Any], config: PretrainedConfig, d2t: Tensor, 
     if pre_norm:
         norm = RMSNorm(config.hidden_size, config.rms_norm_eps).requires_grad_(False)
         norm.weight.copy_(tensors[norm_name])
-    draft_ids = torch.arange(len(d2t)) + d2t
-    if not full_head:
-        return Teacher(embed, head[draft_ids], norm)
-    drafted = torch.zeros(config.vocab_size, dtype=torch.bool)
-    drafted[draft_ids] = True
-    return Teacher(embed, head[draft_ids], norm, head, drafted)
+    rows = head[torch.arange(len(d2t)) + d2t]
+    return Teacher(embed, rows, norm) if t2d is None else Teacher(embed, rows, norm, head, t2d.bool())
