@@ -282,6 +282,26 @@ def test_soft_ce_under_autocast_uses_bf16_matmuls_and_fp32_master_grads():
         torch.testing.assert_close(got, want, rtol=5e-2, atol=5e-2)
 
 
+def test_soft_ce_cpu_rows_make_no_denormals_at_wide_logit_spreads():
+    """Logits 100+ below their row's maximum would give denormal probabilities (10-100x slower
+    arithmetic on x86); they are floored at e^-70 instead, which no loss or gradient can notice."""
+    from kernels.soft_ce import _chunk_terms, _target_rows
+
+    g = torch.Generator().manual_seed(0)
+    target = torch.randn(64, 512, generator=g) * 60  # spreads of several hundred
+    draft = torch.randn(64, 512, generator=g) * 60
+    weight = torch.rand(64, generator=g)
+    p, argmax = _target_rows(target)
+    loss, hits, dlogits = _chunk_terms((p, argmax), draft, weight, torch.tensor([0.5]))
+    tiny = torch.finfo(torch.float32).tiny
+    assert p.min() >= tiny  # no probability is denormal, none is 0
+    assert torch.equal(argmax, target.argmax(-1))
+    exact_p, log_q = target.softmax(-1), draft.log_softmax(-1)
+    torch.testing.assert_close(loss, (weight * -(exact_p * log_q).sum(-1)).sum(), rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(dlogits, (0.5 * weight)[:, None] * (log_q.exp() - exact_p), rtol=0, atol=1e-7)
+    assert hits == (weight * (draft.argmax(-1) == argmax).float()).sum()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton row kernel is CUDA-only")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_soft_ce_cuda_row_kernel_matches_torch(dtype):

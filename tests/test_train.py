@@ -11,8 +11,10 @@ import dataclasses
 import json
 import multiprocessing
 import os
+import platform
 import signal
 import socket
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -632,3 +634,11 @@ def test_samples_without_generated_tokens_train_only_at_a_positive_prompt_weight
     assert generated_only.train_samples == 2
     assert sorted(r for step in generated_only.epochs[0] for batch in step for r in batch) == [0, 3]
     assert "2 samples without generated tokens (conversations with dataset answers) are skipped" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
+                    reason="mallopt is glibc's")
+def test_training_on_cpu_keeps_freed_memory_on_the_heap():
+    from eagle3.malloc import keep_freed_memory
+
+    assert keep_freed_memory()  # every mallopt call was accepted

@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from eagle3.atomic import atomic_write_text
 from eagle3.engine.server import ServeParams
+from eagle3.malloc import keep_freed_memory
 from eagle3.metrics import write_metrics
 from eagle3.model.checkpoint import WEIGHT_DTYPES, save_drafter, validate
 from eagle3.model.drafter import Drafter
@@ -78,7 +79,7 @@ def make_optimizer(drafter: Drafter, params: TrainParams, device: torch.device) 
         lr=params.lr,
         betas=(params.beta1, params.beta2),
         eps=params.adam_eps,
-        fused=device.type == "cuda",
+        fused=True,  # one kernel over all tensors, on CPUs too: 1.9 ms a step here against 11.5
     )
 
 
@@ -213,6 +214,8 @@ class Run:
 
 def setup(params: TrainParams, paths: Paths, dist: Dist, serve: ServeParams | None = None) -> Run:
     check_params(params, dist.world)
+    if dist.device.type == "cpu":
+        keep_freed_memory()
     inputs = load_inputs(params, paths)
     plan = make_plan(params, inputs.store)
     drafter = inputs.drafter.to(dist.device)
