@@ -13,6 +13,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 import yaml
 from fault_proxy import FaultProxy
 
@@ -269,3 +270,20 @@ def test_deterministic_mode_gives_the_same_ids_run_after_run(tmp_path, embedded_
         assert "--no-enable-prefix-caching" in (cwd / "run/server/server.log").read_text()
         runs.append([row["completion_token_ids"] for row in responses(cwd)])
     assert runs[0] == runs[1] and all(len(ids) > 1 for ids in runs[0])
+
+
+def test_responses_served_in_another_dtype_are_not_resumed_into(embedded_target, tokenizer, monkeypatch):
+    from eagle3.generation.requests import GenerateParams, run_fingerprint
+    from eagle3.target import compute
+
+    record = {**embedded_target[1], "dtype": "bfloat16"}
+    ours, external = shipped("generate", GenerateParams), shipped("generate", GenerateParams, server_url="http://x")
+
+    def keys(cpu_has_bf16: bool) -> tuple[str, str]:
+        monkeypatch.setattr(compute, "cpu_computes", lambda dtype: cpu_has_bf16 or dtype == torch.float32)
+        return run_fingerprint(record, tokenizer, ours), run_fingerprint(record, tokenizer, external)
+
+    (ours_bf16, external_bf16), (ours_fp32, external_fp32) = keys(True), keys(False)
+    assert ours_fp32 != ours_bf16  # our server answers in float32 on a CPU without bf16: other answers, other parts
+    assert external_fp32 == external_bf16  # an external server's dtype is not known here
+    assert keys(True)[0] == ours_bf16

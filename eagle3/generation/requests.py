@@ -26,8 +26,10 @@ from eagle3.engine.state import ServerError, running_server
 from eagle3.errors import PipelineError
 from eagle3.generation.parts import PartWriter
 from eagle3.generation.status import write_progress
+from eagle3.metrics import gpus
 from eagle3.progress import Progress
 from eagle3.target.chat import render, template_matches
+from eagle3.target.compute import served_dtype
 
 REGENERATE_MODES = ("last", "all")
 
@@ -58,9 +60,15 @@ class GenerateError(PipelineError, RuntimeError):
 
 
 def run_fingerprint(record: dict[str, Any], tokenizer: Any, params: GenerateParams) -> str:
-    """Stored responses are reusable only for the same weights, template and sampling."""
+    """Stored responses are reusable only for the same weights, template, sampling and served dtype (a
+    float32 server on a CPU without bf16 answers otherwise than a bf16 one). The dtype of a server given by
+    generate.server_url is not known here; it joins the key only where our server serves another dtype than
+    the record's, so the usual key stays as it was."""
     key = {"weights": record["weights_hash"], "template": tokenizer.chat_template,
            **{k: getattr(params, k) for k in ("temperature", "top_p", "max_tokens", "seed", "regenerate", "deterministic")}}
+    serves = served_dtype(record, bool(gpus()))
+    if not params.server_url and serves != record["dtype"]:
+        key["served_dtype"] = serves
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
 
 
