@@ -66,8 +66,7 @@ def run_fingerprint(record: dict[str, Any], tokenizer: Any, params: GeneratePara
     the record's, so the usual key stays as it was."""
     key = {"weights": record["weights_hash"], "template": tokenizer.chat_template,
            **{k: getattr(params, k) for k in ("temperature", "top_p", "max_tokens", "seed", "regenerate", "deterministic")}}
-    serves = served_dtype(record, bool(gpus()))
-    if not params.server_url and serves != record["dtype"]:
+    if not params.server_url and (serves := served_dtype(record, bool(gpus()))) != record["dtype"]:
         key["served_dtype"] = serves
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
 
