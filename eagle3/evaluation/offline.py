@@ -123,7 +123,8 @@ class OfflineEvaluator:
         self.params, self.tokenizer, self.paths = params, tokenizer, paths
         self.target = load_target(record)
         drafter = load_drafter(paths.drafter)
-        drafter.d2t = torch.from_numpy(np.load(paths.vocab / "d2t.npy"))  # the map it was trained with
+        # the map it was trained with
+        drafter.d2t = torch.from_numpy(np.load(paths.vocab / "d2t.npy", allow_pickle=False))
         aux_ids = json.loads(paths.manifest.read_text())["aux_layer_ids"]
         self.decoder = SpecDecoder(self.target, drafter, aux_ids, params.num_speculative_tokens, 0.0)
         self.eos = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")} - {None}
@@ -176,4 +177,4 @@ class OfflineEvaluator:
                                                             sum(map(len, answers)), "answers"), head_tokens)
 
     def draft_vocab_coverage(self) -> float:
-        return draft_vocab_coverage(self.replies, np.load(self.paths.vocab / "t2d.npy"))
+        return draft_vocab_coverage(self.replies, np.load(self.paths.vocab / "t2d.npy", allow_pickle=False))
