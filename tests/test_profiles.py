@@ -34,6 +34,19 @@ def test_a_profile_without_an_agreement_check_is_refused(workspace):
     assert str(path) in problem and "evaluate.offline: false" in problem and "agreement check" in problem
 
 
+def test_a_profile_the_train_stage_would_refuse_is_refused_before_any_stage_runs(workspace):
+    # The train stage checks its values only when it starts, after generation and extraction have run for hours.
+    params_file, profiles_dir = workspace
+    path = profiles_dir / "kimi-k2.5.yaml"
+    path.write_text(path.read_text().replace("  max_tokens_per_batch: 18432 ", "  max_tokens_per_batch: 16384 "))
+    (problem,) = profile.check_all(params_file, profiles_dir)
+    assert str(path) in problem and "train.max_seq_len=18432 exceeds max_tokens_per_batch=16384" in problem
+    before = params_file.read_bytes()
+    with pytest.raises(ParamsError, match="max_tokens_per_batch=16384"):
+        profile.use("kimi-k2.5", params_file=params_file, profiles_dir=profiles_dir)
+    assert params_file.read_bytes() == before
+
+
 def test_every_params_section_has_a_schema():
     for section in read_params(REPO / "params.yaml"):
         assert section in SECTIONS, (f"params.yaml section '{section}': add its dataclass to SECTIONS in "

@@ -16,8 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.atomic import atomic_write_bytes
+from eagle3.data import prompts
+from eagle3.errors import PipelineError
 from eagle3.evaluation.params import EvaluateParams, agreement_problem
+from eagle3.generation import requests
 from eagle3.params import PARAMS_FILE, ParamsError, check_params_file, load_section, read_params
+from eagle3.training import params as train_params
 
 PROFILES_DIR = Path("profiles")
 
@@ -58,9 +62,27 @@ def check_all(params_file: Path = PARAMS_FILE, profiles_dir: Path = PROFILES_DIR
         except ParamsError as e:
             errors.append(str(e))
             continue
-        problem = agreement_problem(load_section("evaluate", EvaluateParams, path), str(path))
-        errors += [problem] if problem else []
+        errors += value_problems(path)
     return errors
+
+
+def value_problems(path: Path) -> list[str]:
+    """What the stages would refuse when they start, found before hours of generation and extraction run:
+    their own checks of the values, and an agreement check beside every vLLM figure."""
+    problems = []
+    stage_checks = [
+        ("prompts", prompts.PromptsParams, prompts.check_params),
+        ("generate", requests.GenerateParams, requests.check_params),
+        # the world size is torchrun's, unknown here: 1 divides every batches_per_step
+        ("train", train_params.TrainParams, lambda p: train_params.check_params(p, world=1)),
+    ]
+    for section, cls, check in stage_checks:
+        try:
+            check(load_section(section, cls, path))
+        except PipelineError as e:
+            problems.append(f"{path}: {e}")
+    problem = agreement_problem(load_section("evaluate", EvaluateParams, path), str(path))
+    return problems + ([problem] if problem else [])
 
 
 def use(name: str, force: bool = False, params_file: Path = PARAMS_FILE, profiles_dir: Path = PROFILES_DIR) -> None:
@@ -69,6 +91,8 @@ def use(name: str, force: bool = False, params_file: Path = PARAMS_FILE, profile
         raise ParamsError(f"{profiles_dir}/{name}.yaml: no such profile (have: {', '.join(profiles)})")
     source = profiles[name]
     check_params_file(source, set(read_params(params_file)))
+    if problems := value_problems(source):
+        raise ParamsError("; ".join(problems))
     changes = diff_lines(read_params(params_file), read_params(source))
     if not changes:
         print(f"profile: {params_file} already has the values of {source}")
