@@ -14,6 +14,7 @@ from transformers import DeepseekV3Config, LlamaConfig
 
 from eagle3.model.checkpoint import config_to_json, load_drafter, save_drafter, validate
 from eagle3.model.drafter import Drafter, DrafterConfig, MLAConfig, TTTCache, rotate_interleaved
+from eagle3.training.teacher import target_config
 from tests.conftest import run_vllm_check
 
 TARGET_LAYERS, HIDDEN, VOCAB, DRAFT_VOCAB = 6, 64, 100, 40
@@ -88,6 +89,22 @@ def test_sizes_come_from_an_mla_target_or_deepseek_v3_defaults():
     assert own == MLAConfig(q_lora_rank=512, kv_lora_rank=512, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64)
     with pytest.raises(ValueError, match="not one of"):
         DrafterConfig.from_target(llama, draft_vocab_size=DRAFT_VOCAB, aux_layer_ids=(2, 15, 27), drafter="mla")
+
+
+def test_a_kimi_k25_target_config_reads_as_deepseek_v3(tmp_path):
+    # Kimi-K2.5's config.json wraps a text_config of model_type kimi_k2, a name transformers does not register.
+    text = {"model_type": "kimi_k2", "hidden_size": 7168, "intermediate_size": 18432, "num_hidden_layers": 61,
+            "num_attention_heads": 64, "num_key_value_heads": 64, "q_lora_rank": 1536, "kv_lora_rank": 512,
+            "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 163840,
+            "max_position_embeddings": 262144, "rope_theta": 50000.0, "rope_scaling": KIMI_YARN}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "text_config": text}))
+    config = target_config(tmp_path)
+    assert isinstance(config, DeepseekV3Config) and config.max_position_embeddings == 262144
+    drafter = DrafterConfig.from_target(config, draft_vocab_size=32000, aux_layer_ids=(2, 30, 57),
+                                        drafter="deepseek_mla")
+    assert drafter.mla == MLAConfig(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                                    v_head_dim=128)
+    assert drafter.hidden_size == 7168
 
 
 def test_keys_are_nope_plus_shared_rope_and_values_v_head_dim():

@@ -24,6 +24,9 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 # Parts of multimodal checkpoints that also have embeddings and norms; `.layers.` excludes
 # DeepSeek-style MTP layers, which carry their own embed_tokens.
 NOT_TEXT_MODEL = ("vision", "visual", "mm_projector", ".layers.")
+# Language models whose text config names a type transformers registers under another name, as its own
+# multimodal wrappers map them (Kimi-K2.5's text_config says kimi_k2: a DeepSeek-V3).
+TEXT_MODEL_TYPES = {"kimi_k2": "deepseek_v3"}
 
 
 class TeacherError(ValueError):
@@ -70,6 +73,7 @@ def target_config(target_dir: Path) -> PretrainedConfig:
     fields = dict(text_config(raw))
     fields.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", False))
     model_type = fields.pop("model_type", None)
+    model_type = TEXT_MODEL_TYPES.get(model_type, model_type)
     try:
         return AutoConfig.for_model(model_type, **fields)
     except ValueError:  # a type transformers does not know (remote code): its plain fields still serve
