@@ -116,6 +116,46 @@ def test_requests_carry_their_seed_only_to_a_gpu_server():
     assert request_seed(params, ServerState(**{**state.__dict__, "gpu": True})) == 7
 
 
+def test_both_evaluation_servers_serve_the_serve_sections_configuration(monkeypatch, tmp_path):
+    # Kimi-K2.5 needs serve.extra_args' --trust-remote-code; a user's --kv-cache-dtype changes the figures.
+    import asyncio
+    import json
+
+    import httpx
+
+    from eagle3.engine import server
+    from eagle3.engine.state import ServerState
+    from eagle3.evaluation import online
+    from eagle3.evaluation.params import EvalPaths
+
+    serve = shipped("serve", server.ServeParams, served_model_name="kimi", extra_args=["--trust-remote-code"])
+    monkeypatch.setattr(online, "load_section", lambda section, cls: serve)
+    started = []
+    monkeypatch.setattr(server, "start", lambda params, record, state_dir: started.append(params))
+    params = shipped("evaluate", EvaluateParams)
+    for speculative in (True, False):
+        online.serve(params, {}, speculative, EvalPaths(drafter=tmp_path / "drafter"))
+    with_drafter, without = started
+    assert with_drafter.extra_args[:1] == without.extra_args == ["--trust-remote-code"]
+    assert "--speculative-config" in with_drafter.extra_args and with_drafter.port == without.port == params.port
+
+    sent = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))
+        return httpx.Response(200, json={"choices": []})
+
+    state = ServerState(pid=1, url="http://127.0.0.1:1", model="kimi", model_path="t", started_at=0.0, gpu=False,
+                        log="server.log")
+
+    async def one() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            await online.chat(client, state, [{"role": "user", "content": "hi"}], 0.0, 8, None)
+
+    asyncio.run(one())
+    assert sent[0]["model"] == "kimi"  # the served name, not "target"
+
+
 def eval_rows(sets: dict[str, dict[str, int]]) -> list[dict]:
     return [{"set": name, "category": category, "question_id": f"{name}-{category}-{i}",
              "turns": [f"{name} {category} {i}"]}

@@ -20,15 +20,15 @@ from eagle3.params import load_section
 from eagle3.progress import Progress
 
 
-async def chat(client: httpx.AsyncClient, url: str, messages: list[dict], temperature: float, max_tokens: int,
-               seed: int | None) -> dict[str, Any]:
+async def chat(client: httpx.AsyncClient, state: server.ServerState, messages: list[dict], temperature: float,
+               max_tokens: int, seed: int | None) -> dict[str, Any]:
     # return_token_ids: the prompt and answer tokens as the engine saw and generated them, so the offline
     # decoder can replay the engine's own answers (the same-text agreement check, results.py)
-    request = {"model": "target", "messages": messages, "temperature": temperature, "max_tokens": max_tokens,
+    request = {"model": state.model, "messages": messages, "temperature": temperature, "max_tokens": max_tokens,
                "return_token_ids": True}
     if seed is not None:
         request["seed"] = seed
-    response = await client.post(f"{url}/v1/chat/completions", timeout=1800, json=request)
+    response = await client.post(f"{state.url}/v1/chat/completions", timeout=1800, json=request)
     response.raise_for_status()
     return response.json()
 
@@ -47,7 +47,7 @@ def request_stats(body: dict[str, Any], k: int) -> DecodeStats:
                        generated=body["usage"]["completion_tokens"])
 
 
-async def answer_all(url: str, items: list[dict], concurrency: int, temperature: float, max_tokens: int,
+async def answer_all(state: server.ServerState, items: list[dict], concurrency: int, temperature: float, max_tokens: int,
                      label: str, seed: int | None) -> list[list[dict[str, Any]]]:
     """Every question's turns, each later turn conditioned on the engine's own answers: the response bodies.
     `seed` None samples from the server's own seeded generator (see `request_seed`)."""
@@ -59,7 +59,7 @@ async def answer_all(url: str, items: list[dict], concurrency: int, temperature:
             for _ in item["turns"]:
                 answers = [body["choices"][0]["message"]["content"] or "" for body in bodies]
                 async with limit:
-                    bodies.append(await chat(client, url, conversation(item["turns"], answers), temperature,
+                    bodies.append(await chat(client, state, conversation(item["turns"], answers), temperature,
                                              max_tokens, seed))
                 progress.update(1)
             return bodies
@@ -92,7 +92,7 @@ def counted(state: server.ServerState, items: list[dict], params: EvaluateParams
     """Per-item counts from the responses, checked against what /metrics counted over the same requests
     (the two readings of the engine's acceptance must be one), and the tokens of every answer."""
     before = scrape(state.url)
-    answered = asyncio.run(answer_all(state.url, items, params.answer_concurrency, temperature, max_tokens,
+    answered = asyncio.run(answer_all(state, items, params.answer_concurrency, temperature, max_tokens,
                                       f"evaluate vLLM T={temperature:g}, {max_tokens} tokens",
                                       request_seed(params, state)))
     after = scrape(state.url)
@@ -111,27 +111,31 @@ def counted(state: server.ServerState, items: list[dict], params: EvaluateParams
     return EngineAnswers(per_item, tokens)
 
 
-def output_tokens_per_s(url: str, items: list[dict], params: EvaluateParams, concurrency: int) -> float:
+def output_tokens_per_s(state: server.ServerState, items: list[dict], params: EvaluateParams, concurrency: int
+                        ) -> float:
     """Generated tokens per second over the first turns timed at `concurrency` requests at a time."""
     first_turns = timed_first_turns(items, params.throughput_prompts, concurrency)
-    before, start = generation_tokens(url), time.monotonic()
-    asyncio.run(answer_all(url, first_turns, concurrency, 0.0, params.max_new_tokens,
+    before, start = generation_tokens(state.url), time.monotonic()
+    asyncio.run(answer_all(state, first_turns, concurrency, 0.0, params.max_new_tokens,
                            f"evaluate throughput x{concurrency}", None))
-    return (generation_tokens(url) - before) / (time.monotonic() - start)
+    return (generation_tokens(state.url) - before) / (time.monotonic() - start)
 
 
 def serve(params: EvaluateParams, record: dict, speculative: bool, paths: EvalPaths) -> server.ServerState:
-    extra = ["--speculative-config", json.dumps({"method": "eagle3", "model": str(paths.drafter.resolve()),
+    """The serve section's server (its extra_args too: both figures are the configuration users serve), on
+    evaluate.port, with the exported drafter when `speculative`."""
+    spec = ["--speculative-config", json.dumps({"method": "eagle3", "model": str(paths.drafter.resolve()),
                                                   "num_speculative_tokens": params.num_speculative_tokens}),
              "--per-request-spec-decode-metrics", "summary"]
-    serve_params = dataclasses.replace(load_section("serve", server.ServeParams), port=params.port,
-                                       extra_args=extra if speculative else [])
+    serve_params = load_section("serve", server.ServeParams)
+    serve_params = dataclasses.replace(serve_params, port=params.port,
+                                       extra_args=[*serve_params.extra_args, *(spec if speculative else [])])
     return server.start(serve_params, record, state_dir=paths.server_state)
 
 
-def throughput(url: str, items: list[dict], params: EvaluateParams) -> dict[str, float]:
-    return {"batch1_tokens_per_s": round(output_tokens_per_s(url, items, params, 1), 2),
-            f"concurrency{params.concurrency}_tokens_per_s": round(output_tokens_per_s(url, items, params,
+def throughput(state: server.ServerState, items: list[dict], params: EvaluateParams) -> dict[str, float]:
+    return {"batch1_tokens_per_s": round(output_tokens_per_s(state, items, params, 1), 2),
+            f"concurrency{params.concurrency}_tokens_per_s": round(output_tokens_per_s(state, items, params,
                                                                                       params.concurrency), 2)}
 
 
@@ -146,13 +150,13 @@ def online_eval(params: EvaluateParams, record: dict, items: list[dict], long_it
                                   for t in params.temperatures}
         if long_items:
             result["long"] = counted(state, long_items, params, 0.0, params.long_max_new_tokens)
-        result["throughput_with_drafter"] = throughput(state.url, items, params)
+        result["throughput_with_drafter"] = throughput(state, items, params)
     finally:
         server.stop(paths.server_state)
     if params.measure_baseline:
         state = serve(params, record, speculative=False, paths=paths)
         try:
-            result["throughput_without_drafter"] = throughput(state.url, items, params)
+            result["throughput_without_drafter"] = throughput(state, items, params)
         finally:
             server.stop(paths.server_state)
     return result
