@@ -19,15 +19,18 @@ from __future__ import annotations
 from eagle3.cli import run_stage
 from eagle3.engine.server import ServeParams
 from eagle3.engine.state import require_accelerators_free
+from eagle3.extraction.params import ExtractParams
 from eagle3.params import load_section
 from eagle3.training.loop import train
+from eagle3.training.online import EngineCapture
 from eagle3.training.params import TrainParams
 
 
 def main() -> None:
     params = load_section("train", TrainParams)
     if params.source != "store" and params.capture_engine == "vllm":  # the capture server is ours to use
-        train(params, serve=load_section("serve", ServeParams))
+        timeout_s = load_section("extract", ExtractParams).engine_timeout_s
+        train(params, engine=EngineCapture(load_section("serve", ServeParams), timeout_s))
     else:
         require_accelerators_free("train")
         train(params)

@@ -49,6 +49,7 @@ from eagle3.target.chat import render
 from eagle3.training.capture_process import sample_at, target_states
 from eagle3.training.data import make_plan
 from eagle3.training.loop import train
+from eagle3.training.online import EngineCapture
 from eagle3.training.params import Paths, TrainError, TrainParams, check_params
 from eagle3.training.spool import CaptureJob
 from tests.conftest import REPO, free_port, shipped
@@ -432,7 +433,7 @@ def test_hybrid_training_with_the_engine_capture_starts_the_server_fills_the_sto
     params = shipped("train", TrainParams, source="hybrid", capture_engine="vllm", epochs=2, max_seq_len=64,
                      max_tokens_per_batch=128, batches_per_step=1, eval_fraction=0.0, num_workers=0, cpu_bf16=False,
                      intermediate_size=64, ttt_steps=2)
-    record = train(params, paths, serve)
+    record = train(params, paths, EngineCapture(serve, timeout_s=600.0))
     states = record["states"]
     assert states["source"] == "hybrid" and states["capture_engine"] == "vllm" and states["capture_restarts"] == 0
     first_epoch = len(make_plan(params, HiddenStore(paths.hidden)).epochs[0])

@@ -155,6 +155,16 @@ def test_capture_gpus_puts_each_ranks_capture_on_the_first_gpus_and_sharing_keep
     assert [online.capture_device("cuda", rank, 2) for rank in range(6)] == ["cuda:0", "cuda:1"] * 3
 
 
+def test_the_engine_captures_jobs_carry_extract_engine_timeout_s(tmp_path):
+    # A 1T target's 18K-token prefill on a loaded server outlasts the job's 600 s default.
+    params = small_params(source="online", capture_engine="vllm", prefetch_dir=str(tmp_path / "prefetch"))
+    server = online.CaptureServer(tmp_path / "server", started=False, timeout_s=3600.0)
+    capture = online.start_capture(params, tmp_path / "hidden", tmp_path / "target", AUX_IDS, tmp_path, "cpu", 0, 0,
+                                   server)
+    assert capture.template.engine_timeout_s == 3600.0
+    assert capture.template.engine_state_dir == str(tmp_path / "server")
+
+
 def test_hybrid_store_compresses_with_half_the_hosts_cores_shared_by_its_ranks(monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)

@@ -32,7 +32,6 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from eagle3.atomic import atomic_write_text
-from eagle3.engine.server import ServeParams
 from eagle3.malloc import keep_freed_memory
 from eagle3.metrics import write_metrics
 from eagle3.model.checkpoint import WEIGHT_DTYPES, save_drafter, validate
@@ -45,6 +44,7 @@ from eagle3.training.inputs import Inputs, load_inputs
 from eagle3.training.objective import DraftLoss, step_row
 from eagle3.training.online import (
     CaptureProcess,
+    EngineCapture,
     connect_capture_server,
     fill_hybrid_store,
     start_capture,
@@ -212,7 +212,7 @@ class Run:
         return self.hybrid_store
 
 
-def setup(params: TrainParams, paths: Paths, dist: Dist, serve: ServeParams | None = None) -> Run:
+def setup(params: TrainParams, paths: Paths, dist: Dist, engine: EngineCapture | None = None) -> Run:
     check_params(params, dist.world)
     if dist.device.type == "cpu":
         keep_freed_memory()
@@ -248,9 +248,9 @@ def setup(params: TrainParams, paths: Paths, dist: Dist, serve: ServeParams | No
         aux_ids = list(drafter.config.aux_layer_ids)
         capture_server = None
         if params.capture_engine == "vllm":
-            if serve is None:
+            if engine is None:
                 raise TrainError("train.capture_engine: vllm needs the serve section (the capture server's params)")
-            capture_server = connect_capture_server(serve, inputs.record, aux_ids, paths.server, params.capture_gpus,
+            capture_server = connect_capture_server(engine, inputs.record, aux_ids, paths.server, params.capture_gpus,
                                                     dist.main, dist.barrier)
         capture = start_capture(params, paths.hidden, paths.target, aux_ids, paths.run, dist.device.type, dist.rank,
                                 int(os.environ.get("LOCAL_RANK", "0")), capture_server)
@@ -412,22 +412,22 @@ def per_step(row: dict[str, float] | None, k: int) -> dict[str, list[float]] | N
     return {name: [round(row[f"{name}_{i}"], 4) for i in range(k)] for name in ("loss", "top1")}
 
 
-def train(params: TrainParams, paths: Paths = Paths(), serve: ServeParams | None = None) -> dict[str, Any] | None:
+def train(params: TrainParams, paths: Paths = Paths(), engine: EngineCapture | None = None) -> dict[str, Any] | None:
     """Trains (or resumes) and writes the outputs; rank 0 returns the metrics record, others None.
-    `serve`: the capture server's params, for train.capture_engine: vllm."""
+    `engine`: the capture server's params, for train.capture_engine: vllm."""
     dist = init_distributed(params.capture_gpus if params.source != "store" else 0)
     try:
         # DDP and everything else of the run is freed when train_on returns, before the process
         # group goes: a DDP reducer destroyed after its group could hang the process at exit.
-        return train_on(dist, params, paths, serve)
+        return train_on(dist, params, paths, engine)
     finally:
         if dist.world > 1:
             torch.distributed.destroy_process_group()
 
 
-def train_on(dist: Dist, params: TrainParams, paths: Paths, serve: ServeParams | None) -> dict[str, Any] | None:
+def train_on(dist: Dist, params: TrainParams, paths: Paths, engine: EngineCapture | None) -> dict[str, Any] | None:
     started = time.monotonic()
-    run = setup(params, paths, dist, serve)
+    run = setup(params, paths, dist, engine)
     try:
         return finish_run(run, started)
     finally:

@@ -55,6 +55,15 @@ class CaptureFigures:
     capture_peak_rss_mb: float = 0.0
 
 
+@dataclass(frozen=True)
+class EngineCapture:
+    """train.capture_engine: vllm, what the trainer takes from the other sections: the capture server's
+    params, and the extract stage's per-sample timeout (a 1T target's 18K-token prefill outlasts 600 s)."""
+
+    serve: ServeParams
+    timeout_s: float  # extract.engine_timeout_s
+
+
 @dataclass
 class CaptureServer:
     """train.capture_engine: vllm, the extract stage's capture server that every rank's capture
@@ -62,9 +71,10 @@ class CaptureServer:
 
     state_dir: Path
     started: bool  # by this run (rank 0), which stops it when the run ends; else it was running already
+    timeout_s: float  # per sample: its request and the hand-over of its states
 
 
-def connect_capture_server(serve: ServeParams, record: dict, aux_ids: list[int], state_dir: Path,
+def connect_capture_server(engine: EngineCapture, record: dict, aux_ids: list[int], state_dir: Path,
                            capture_gpus: int, main: bool, barrier: Callable[[], None]) -> CaptureServer:
     """Rank 0 starts the capture server (on the first capture_gpus GPUs; 0: it shares them with the
     training ranks, within serve.gpu_memory_utilization) or checks the running one: same target,
@@ -78,10 +88,10 @@ def connect_capture_server(serve: ServeParams, record: dict, aux_ids: list[int],
     if main:
         tokenizer = AutoTokenizer.from_pretrained(record["model_path"])
         layer_ids = captured_layer_ids(aux_ids, record["num_layers"])
-        state, _, started = connect(serve, record, tokenizer, layer_ids, state_dir, gpus=capture_gpus or None)
+        state, _, started = connect(engine.serve, record, tokenizer, layer_ids, state_dir, gpus=capture_gpus or None)
         clear_spool(Path(state.capture["spool"]))  # what the requests of a killed capture process left
     barrier()
-    return CaptureServer(state_dir, started)
+    return CaptureServer(state_dir, started, engine.timeout_s)
 
 
 @dataclass
@@ -214,7 +224,8 @@ def start_capture(params: TrainParams, tokens: Path, target: Path, aux_ids: list
                      max_seq_len=params.max_seq_len, prompt_loss_weight=params.prompt_loss_weight,
                      prefetch=params.prefetch_batches, spool=True, store_dir=None, rank=rank,
                      compress_threads=store_compress_threads(),
-                     engine_state_dir=str(capture_server.state_dir) if capture_server else None)
+                     engine_state_dir=str(capture_server.state_dir) if capture_server else None,
+                     **({"engine_timeout_s": capture_server.timeout_s} if capture_server else {}))
     return CaptureProcess(spool, template, run_dir / f"capture-rank{rank}.log", capture_server)
 
 
