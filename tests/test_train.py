@@ -587,6 +587,13 @@ def test_init_from_keeps_the_drafters_vocab_map(workspace, tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     d2t, t2d = drafter_checkpoint(tmp_path / "init", AUX_IDS)
     paths = paths_for(workspace, tmp_path)
+    with pytest.raises(TrainError, match=f"holds another: set vocab.from_drafter: {tmp_path / 'init'}"):
+        train(small_params(init_from=str(tmp_path / "init"), epochs=1), paths)
+    # what the vocab stage writes with vocab.from_drafter
+    paths = dataclasses.replace(paths, vocab=tmp_path / "vocab")
+    paths.vocab.mkdir()
+    np.save(paths.vocab / "d2t.npy", d2t.numpy())
+    np.save(paths.vocab / "t2d.npy", t2d.numpy())
     record = train(small_params(init_from=str(tmp_path / "init"), epochs=1), paths)
     saved = weights(paths.out)
     assert torch.equal(saved["d2t"], d2t) and torch.equal(saved["t2d"], t2d)

@@ -90,9 +90,16 @@ def build_drafter(
                     f"train.{name}={wanted}, but init_from {params.init_from} has {name} "
                     f"{getattr(model.config, name)}"
                 )
+        # Evaluation and export read artifacts/vocab as the map the drafter was trained with: another one there
+        # would be caught only at the end of evaluate, after the whole training run.
+        vocab_d2t, vocab_t2d = vocab_map(vocab_dir)
+        if not (torch.equal(vocab_d2t, loaded.d2t.to(vocab_d2t.dtype))
+                and torch.equal(vocab_t2d, loaded.t2d.to(vocab_t2d.dtype))):
+            raise TrainError(f"train.init_from={params.init_from} brings its own vocabulary map (its lm_head rows "
+                             f"belong to it), but {vocab_dir} holds another: set vocab.from_drafter: "
+                             f"{params.init_from} and rerun the vocab stage")
         return model, loaded.d2t, loaded.t2d
-    d2t = torch.from_numpy(np.load(vocab_dir / "d2t.npy", allow_pickle=False))
-    t2d = torch.from_numpy(np.load(vocab_dir / "t2d.npy", allow_pickle=False))
+    d2t, t2d = vocab_map(vocab_dir)
     defects = vocab_map_defects(d2t, t2d, len(d2t), config.vocab_size)
     if defects:
         raise TrainError(f"{vocab_dir}: " + "; ".join(defects))
@@ -106,6 +113,12 @@ def build_drafter(
     )
     torch.manual_seed(params.seed)
     return Drafter(drafter_config), d2t, t2d
+
+
+def vocab_map(vocab_dir: Path) -> tuple[Tensor, Tensor]:
+    """(d2t, t2d) as the vocab stage wrote them."""
+    return (torch.from_numpy(np.load(vocab_dir / "d2t.npy", allow_pickle=False)),
+            torch.from_numpy(np.load(vocab_dir / "t2d.npy", allow_pickle=False)))
 
 
 def init_head_from_target(drafter: Drafter, teacher: Teacher) -> None:
