@@ -34,7 +34,7 @@ from eagle3.metrics import machine_info
 from eagle3.params import load_section
 from eagle3.store.compare import compare_stores
 from eagle3.store.reader import HiddenStore
-from eagle3.target.record import load_record
+from eagle3.target.record import hub_kwargs, load_record
 
 
 def chunk_inputs(run: Path, work: Path, chunks: int, chunk_tokens: int) -> list[tuple[Path, Path, int]]:
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
 
     record = load_record(args.run / "artifacts/target")
     record = {**record, "model_path": str((args.run / "artifacts/target").resolve())}
-    tokenizer = AutoTokenizer.from_pretrained(record["model_path"])
+    tokenizer = AutoTokenizer.from_pretrained(record["model_path"], **hub_kwargs(record))
     params = load_section("extract", ExtractParams)
     serve = dataclasses.replace(load_section("serve", ServeParams), port=args.port)
     layer_ids = captured_layer_ids(resolve_aux_ids(params, record), record["num_layers"])

@@ -27,18 +27,17 @@ from eagle3.evaluation.questions import first_of_each_set, questions
 from eagle3.evaluation.results import evaluation_metrics, pick, summary_lines, write_plots
 from eagle3.metrics import write_metrics
 from eagle3.params import load_section
-from eagle3.target.record import load_record
+from eagle3.target.record import load_record, load_tokenizer
 
 
 def main() -> None:
-    from transformers import AutoTokenizer
 
     start = time.monotonic()
     require_accelerators_free("evaluate")
     params = load_section("evaluate", EvaluateParams)
     paths = EvalPaths()
     record = load_record(paths.target)
-    tokenizer = AutoTokenizer.from_pretrained(paths.target)
+    tokenizer = load_tokenizer(paths.target)
     items = questions(params, paths.prompts)
     greedy = (list(range(len(items))) if params.offline_greedy_questions is None
               else first_of_each_set(items, params.offline_greedy_questions))

@@ -23,18 +23,17 @@ from eagle3.extraction.params import ENGINES, TRAIN_SOURCES, ExtractError, Extra
 from eagle3.extraction.store import plan_work, write_token_store
 from eagle3.metrics import write_metrics
 from eagle3.params import load_section, read_params
-from eagle3.target.record import TARGET_DIR, load_record
+from eagle3.target.record import TARGET_DIR, load_record, load_tokenizer
 
 
 def main() -> None:
-    from transformers import AutoTokenizer
 
     start = time.monotonic()
     params = load_section("extract", ExtractParams)
     if params.engine not in ENGINES:
         raise ExtractError(f"extract.engine={params.engine!r}: expected one of {', '.join(ENGINES)}")
     record = load_record(TARGET_DIR)
-    tokenizer = AutoTokenizer.from_pretrained(TARGET_DIR)
+    tokenizer = load_tokenizer(TARGET_DIR)
     train = read_params().get("train", {})
     source = train.get("source")
     if source not in TRAIN_SOURCES:

@@ -34,21 +34,20 @@ from eagle3.generation.requests import (
 from eagle3.generation.status import WORK_DIR
 from eagle3.metrics import write_metrics
 from eagle3.params import load_section
-from eagle3.target.record import TARGET_DIR, load_record
+from eagle3.target.record import TARGET_DIR, load_record, load_tokenizer
 
 OUT = Path("artifacts/responses")
 PROMPTS = Path("artifacts/prompts/train.parquet")
 
 
 def main() -> None:
-    from transformers import AutoTokenizer
 
     start = time.monotonic()
     params = load_section("generate", GenerateParams)
     serve = load_section("serve", server.ServeParams)
     check_params(params)
     record = load_record(TARGET_DIR)
-    tokenizer = AutoTokenizer.from_pretrained(TARGET_DIR)
+    tokenizer = load_tokenizer(TARGET_DIR)
     prompts = pq.read_table(PROMPTS).to_pylist()
     work = WORK_DIR / run_fingerprint(record, tokenizer, params)
     work.mkdir(parents=True, exist_ok=True)

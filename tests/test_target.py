@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from eagle3.engine.server import ServeParams, server_command
+from eagle3.target import build as target_build
 from eagle3.target.build import TargetParams, build, source_kind, weight_files
-from eagle3.target.record import TargetError, default_aux_layer_ids, sha256_files
+from eagle3.target.record import TargetError, default_aux_layer_ids, hub_kwargs, load_tokenizer, sha256_files
 from tests.conftest import shipped
 
 REPO = Path(__file__).resolve().parent.parent
@@ -74,6 +76,47 @@ def test_local_directory_source_points_to_weights(embedded_target, tmp_path):
     assert record["model_path"] == str(local.resolve())
     assert record["weights_hash"] == embedded_record["weights_hash"]
     assert not list((tmp_path / "out").glob("*.safetensors"))  # a pointer, never a copy of the weights
+
+
+REMOTE_TOKENIZER = """from transformers import PreTrainedTokenizerFast
+
+
+class RepoTokenizer(PreTrainedTokenizerFast):  # a class transformers does not ship, as Kimi-K2.5's
+    pass
+"""
+
+
+def test_a_hub_target_pins_its_commit_and_its_remote_code_reaches_every_load(embedded_target, tmp_path, monkeypatch):
+    commit = "0123456789abcdef0123456789abcdef01234567"
+
+    def download(repo: str, revision: str, out: Path, trust_remote_code: bool) -> str:  # the hub, offline
+        assert (repo, revision, trust_remote_code) == ("org/model", "main", True)
+        linked_copy(embedded_target[0], out / "copy")
+        for path in (out / "copy").iterdir():
+            if path.suffix != ".safetensors":
+                path.rename(out / path.name)
+        shutil.rmtree(out / "copy")
+        config = json.loads((out / "tokenizer_config.json").read_text())
+        config |= {"tokenizer_class": "RepoTokenizer",
+                   "auto_map": {"AutoTokenizer": [None, "tokenization_repo.RepoTokenizer"]}}
+        (out / "tokenizer_config.json").write_text(json.dumps(config))
+        (out / "tokenization_repo.py").write_text(REMOTE_TOKENIZER)
+        return commit
+
+    monkeypatch.setattr(target_build, "download_hub_metadata", download)
+    record = build(shipped("target", TargetParams, source="org/model", revision="main", trust_remote_code=True),
+                   out=tmp_path / "out")
+    # every later load reads the commit the weights hash names, not whatever "main" is by then
+    assert record["weights_hash"] == f"hf:org/model@{commit}" and record["revision"] == commit
+    assert hub_kwargs(record) == {"revision": commit, "trust_remote_code": True}
+    assert type(load_tokenizer(tmp_path / "out")).__name__ == "RepoTokenizer"  # not a generic fallback
+    cmd = server_command(shipped("serve", ServeParams), record, gpu=False)
+    assert cmd[cmd.index("--revision") + 1] == commit and "--trust-remote-code" in cmd
+    local = build(shipped("target", TargetParams, dtype="float32", source=str(linked_copy(embedded_target[0],
+                                                                                          tmp_path / "model"))),
+                  out=tmp_path / "local")
+    assert hub_kwargs(local) == {"revision": None, "trust_remote_code": False}
+    assert "--trust-remote-code" not in server_command(shipped("serve", ServeParams), local, gpu=False)
 
 
 @pytest.mark.parametrize("defect, message", [

@@ -41,7 +41,7 @@ from eagle3.metrics import gpus, write_metrics
 from eagle3.model.sglang import DRAFTER_DIR, OUT_DIR, TARGET_DIR, ExportError, export
 from eagle3.params import ParamsError, load_section
 from eagle3.target.chat import render
-from eagle3.target.record import load_record
+from eagle3.target.record import load_record, load_tokenizer
 
 EVAL_PROMPTS = Path("artifacts/prompts/eval.parquet")
 STATE_DIR = Path("run/server-sglang")
@@ -91,6 +91,8 @@ def sglang_command(python: str, serve: server.ServeParams, record: dict[str, Any
            "--tp-size", str(serve.tensor_parallel_size)]
     if record.get("revision"):
         cmd += ["--revision", record["revision"]]
+    if record.get("trust_remote_code"):
+        cmd.append("--trust-remote-code")
     if drafter is None:
         return cmd
     k = params.evaluate.num_speculative_tokens
@@ -181,11 +183,10 @@ def by_temperature(metas_at: dict[float, list[dict[str, Any]]], k: int) -> dict[
 
 
 def run(python: str, drafter: Path, params: BenchParams) -> dict[str, Any]:
-    from transformers import AutoTokenizer
 
     exported = export(drafter, OUT_DIR, TARGET_DIR)
     record, serve_params = load_record(TARGET_DIR), load_section("serve", server.ServeParams)
-    tokenizer = AutoTokenizer.from_pretrained(TARGET_DIR)
+    tokenizer = load_tokenizer(TARGET_DIR)
     evaluate = params.evaluate
     items = questions(evaluate, EVAL_PROMPTS)
     state = serve(sglang_command(python, serve_params, record, params, OUT_DIR), serve_params, record, params.port)

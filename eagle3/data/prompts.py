@@ -22,6 +22,7 @@ from eagle3.atomic import atomic_dir, atomic_write_json
 from eagle3.data.eval_sets import load_set, set_name
 from eagle3.data.sources import DropLog, PromptsError, Row, RowError, iter_source, normalize_messages
 from eagle3.target.chat import render
+from eagle3.target.record import load_tokenizer
 
 PROMPTS_DIR = Path("artifacts/prompts")
 TARGET_DIR = Path("artifacts/target")
@@ -168,10 +169,9 @@ def check_params(params: PromptsParams) -> None:
 
 
 def build(params: PromptsParams, target_dir: Path = TARGET_DIR, out: Path = PROMPTS_DIR) -> dict[str, Any]:
-    from transformers import AutoTokenizer
 
     check_params(params)
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    tokenizer = load_tokenizer(target_dir)
     log = DropLog()
     evaluation = load_eval(params, log)
     train, answered = sample_train(params, tokenizer, log, held_out_texts(evaluation))

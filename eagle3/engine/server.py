@@ -64,6 +64,8 @@ def server_command(params: ServeParams, record: dict[str, Any], gpu: bool) -> li
         cmd.append("--enable-expert-parallel")
     if record.get("revision"):
         cmd += ["--revision", record["revision"]]
+    if record.get("trust_remote_code"):  # target.trust_remote_code: the repo's own model and tokenizer code
+        cmd.append("--trust-remote-code")
     if gpu:
         cmd += ["--gpu-memory-utilization", str(params.gpu_memory_utilization)]
     if params.enforce_eager:

@@ -20,6 +20,7 @@ from eagle3.progress import Progress
 from eagle3.target.capture import Capture
 from eagle3.target.chat import render
 from eagle3.target.compute import target_dtype
+from eagle3.target.record import hub_kwargs
 
 
 class Answer(NamedTuple):
@@ -112,7 +113,8 @@ def load_target(record: dict) -> Any:
     gpu = torch.cuda.is_available()
     placement = {"device_map": "auto"} if gpu else {"attn_implementation": "eager"}
     dtype = target_dtype(record, torch.device("cuda" if gpu else "cpu"))
-    return AutoModelForCausalLM.from_pretrained(record["model_path"], dtype=dtype, **placement).eval()
+    return AutoModelForCausalLM.from_pretrained(record["model_path"], dtype=dtype, **hub_kwargs(record),
+                                                **placement).eval()
 
 
 class OfflineEvaluator:

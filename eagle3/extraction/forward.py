@@ -12,6 +12,7 @@ from eagle3.extraction.samples import Sample
 from eagle3.store.writer import ShardWriter
 from eagle3.target.capture import Capture
 from eagle3.target.compute import target_dtype
+from eagle3.target.record import hub_kwargs
 
 
 def load_target(record: dict, device: torch.device, device_map: str | None = None) -> Any:
@@ -21,7 +22,7 @@ def load_target(record: dict, device: torch.device, device_map: str | None = Non
 
     kwargs = {"device_map": device_map} if device_map else {}
     model = AutoModelForCausalLM.from_pretrained(record["model_path"], dtype=target_dtype(record, device),
-                                                 revision=record.get("revision"), **kwargs)
+                                                 **hub_kwargs(record), **kwargs)
     return (model if device_map else model.to(device)).eval()
 
 

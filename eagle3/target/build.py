@@ -163,6 +163,7 @@ def build(params: TargetParams, out: Path = TARGET_DIR) -> dict[str, Any]:
     if params.dtype not in DTYPES:
         raise TargetError(f"target.dtype={params.dtype!r}: expected one of {', '.join(DTYPES)}")
     kind = source_kind(params.source)
+    revision = None  # a hub target's resolved commit: every later load reads the commit weights_hash names
     with atomic_dir(out) as tmp:
         if kind == "embedded":
             convert_embedded(tmp, params.dtype)
@@ -177,14 +178,15 @@ def build(params: TargetParams, out: Path = TARGET_DIR) -> dict[str, Any]:
             weights_hash, model_path = "sha256:" + sha256_files(files), str(local)
             param_count = safetensors_param_count(files)
         else:
-            commit = download_hub_metadata(params.source, params.revision, tmp, params.trust_remote_code)
-            weights_hash, model_path, param_count = f"hf:{params.source}@{commit}", params.source, None
+            revision = download_hub_metadata(params.source, params.revision, tmp, params.trust_remote_code)
+            weights_hash, model_path, param_count = f"hf:{params.source}@{revision}", params.source, None
         record = {
             **inspect_model(tmp, params),
             "source": params.source,
             "source_kind": kind,
             "model_path": model_path,
-            "revision": params.revision if kind == "hub" else None,
+            "revision": revision,
+            "trust_remote_code": params.trust_remote_code,
             "parameter_count": param_count,
             "weights_hash": weights_hash,
         }

@@ -30,6 +30,20 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
     return config.get("text_config") or config
 
 
+def hub_kwargs(record: dict[str, Any]) -> dict[str, Any]:
+    """What every from_pretrained of the target passes: the commit the target stage pinned (hub targets;
+    None elsewhere) and the user's consent to the repo's own code (target.trust_remote_code: without it, a
+    tokenizer class transformers does not ship fails to load or falls back to a generic one)."""
+    return {"revision": record.get("revision"), "trust_remote_code": bool(record.get("trust_remote_code"))}
+
+
+def load_tokenizer(folder: Path = TARGET_DIR) -> Any:
+    """The target's tokenizer and chat template from the target stage's folder, as the stage checked them."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder, trust_remote_code=hub_kwargs(load_record(folder))["trust_remote_code"])
+
+
 def sha256_files(files: list[Path]) -> str:
     digest = hashlib.sha256()
     for path in files:

@@ -32,6 +32,7 @@ from eagle3.extraction.store import index_and_manifest
 from eagle3.store.codec import DEFAULT_LEVEL
 from eagle3.store.layout import completed_sample_ids
 from eagle3.store.reader import HiddenStore
+from eagle3.target.record import hub_kwargs
 from eagle3.training import capture_process  # run as its own process; imported so its code is train's dependency
 from eagle3.training.data import StoredBatch, batch_loader
 from eagle3.training.params import TrainError, TrainParams
@@ -86,7 +87,7 @@ def connect_capture_server(engine: EngineCapture, record: dict, aux_ids: list[in
 
     started = False
     if main:
-        tokenizer = AutoTokenizer.from_pretrained(record["model_path"])
+        tokenizer = AutoTokenizer.from_pretrained(record["model_path"], **hub_kwargs(record))
         layer_ids = captured_layer_ids(aux_ids, record["num_layers"])
         state, _, started = connect(engine.serve, record, tokenizer, layer_ids, state_dir, gpus=capture_gpus or None)
         clear_spool(Path(state.capture["spool"]))  # what the requests of a killed capture process left
