@@ -181,6 +181,18 @@ def test_token_store_for_online_training_holds_the_full_stores_tokens_and_no_sta
     assert summary["bytes_per_token"] < 8 < full.manifest["stored_bytes"] / full.manifest["tokens"]
 
 
+def test_a_resume_under_another_engine_length_limit_starts_a_new_work_dir(embedded_target, tokenizer, responses,
+                                                                          tmp_path):
+    # serve.max_model_len changed between a crash and the rerun: the finished samples were cut at the old limit
+    from eagle3.extraction.store import plan_work
+
+    params = shipped("extract", ExtractParams)
+    dirs = {limit: plan_work(params, embedded_target[1], tokenizer, responses, None, tmp_path, max_len=limit).dir
+            for limit in (None, params.max_seq_len, 1023, 511)}
+    assert dirs[None] == dirs[params.max_seq_len]  # a limit above extract.max_seq_len cuts nothing
+    assert len({dirs[None], dirs[1023], dirs[511]}) == 3
+
+
 def test_fp8_store_dtype_stores_fewer_bytes_and_reads_back_close(embedded_target, tokenizer, responses, tmp_path):
     full_summary, full = run(embedded_target, tokenizer, responses, tmp_path / "full")
     summary, fp8 = run(embedded_target, tokenizer, responses, tmp_path / "fp8", store_dtype="fp8_e4m3")

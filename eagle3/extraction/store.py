@@ -51,6 +51,8 @@ def plan_work(params: ExtractParams, record: dict, tokenizer: Any, responses: Pa
         raise ExtractError(f"{responses}: no sample to store ({counts['skipped']} skipped as longer than "
                            f"extract.max_seq_len={params.max_seq_len})")
     inputs = [responses] + ([answered] if answered else [])
+    if max_len is not None and max_len < params.max_seq_len:  # samples cut there: a resume must cut them there too
+        extra_key = {**(extra_key or {}), "engine_max_len": max_len}
     work = work_root / fingerprint(record, aux_ids, params, inputs, extra_key)
     ids = [s.id for s in samples]
     by_id = {s.id: s for s in samples}
