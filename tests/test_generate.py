@@ -195,6 +195,18 @@ def test_server_serving_another_model_or_template_is_refused(tmp_path, embedded_
     assert result.returncode == 1 and "another tokenizer or chat template" in result.stderr
 
 
+def test_a_tokenize_error_is_reported_as_such_not_as_another_template(monkeypatch):
+    import httpx
+
+    from eagle3.engine import client
+    from eagle3.engine.state import ServerError
+
+    monkeypatch.setattr(client.httpx, "post", lambda *a, **k: httpx.Response(500, text="engine dead"))
+    record = {"model_path": "org/model"}
+    with pytest.raises(ServerError, match=r"/tokenize answered 500 \('engine dead'\), so its chat template cannot"):
+        client.check_served_model("http://127.0.0.1:1", {"id": "target", "root": "org/model"}, record, None)
+
+
 THINKING_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
     "{% if m['role'] == 'assistant' %}<think>\n{{ m.get('reasoning_content', '') }}\n</think>\n\n{% endif %}"

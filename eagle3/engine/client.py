@@ -32,6 +32,9 @@ def check_served_model(url: str, entry: dict[str, Any], record: dict[str, Any], 
                                                    "add_generation_prompt": True}, timeout=30)
     if response.status_code == 404:
         print(f"{url} has no /tokenize; relying on the per-request prompt id check", file=sys.stderr)
+    elif response.status_code != 200:  # an error is not an answer about the template
+        raise ServerError(f"server at {url}: /tokenize answered {response.status_code} ({response.text[:200]!r}), "
+                          "so its chat template cannot be checked against artifacts/target")
     elif response.json().get("tokens") != render(tokenizer, probe, generation_prompt=True):
         raise ServerError(f"server at {url} renders prompts with another tokenizer or chat template than "
                           f"artifacts/target ({record['model_path']})")
