@@ -31,7 +31,6 @@ from eagle3.target.record import load_record, load_tokenizer
 
 
 def main() -> None:
-
     start = time.monotonic()
     require_accelerators_free("evaluate")
     params = load_section("evaluate", EvaluateParams)

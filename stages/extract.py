@@ -27,7 +27,6 @@ from eagle3.target.record import TARGET_DIR, load_record, load_tokenizer
 
 
 def main() -> None:
-
     start = time.monotonic()
     params = load_section("extract", ExtractParams)
     if params.engine not in ENGINES:

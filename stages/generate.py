@@ -41,7 +41,6 @@ PROMPTS = Path("artifacts/prompts/train.parquet")
 
 
 def main() -> None:
-
     start = time.monotonic()
     params = load_section("generate", GenerateParams)
     serve = load_section("serve", server.ServeParams)

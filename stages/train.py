@@ -5,7 +5,8 @@
 
 Reads artifacts/hidden (tokens, loss mask, the target's aux and last states), artifacts/vocab
 (d2t/t2d; a drafter given as `train.init_from` brings its own and keeps it, its lm_head rows belong
-to it, and artifacts/vocab must hold the same: vocab.from_drafter) and artifacts/target (of the target's weights only embed_tokens, the final norm and lm_head).
+to it, and artifacts/vocab must hold the same: vocab.from_drafter) and artifacts/target (of the
+target's weights only embed_tokens, the final norm and lm_head).
 Training-time test unrolls `ttt_steps` steps against the target's distribution. Writes
 artifacts/drafter (validated before the stage succeeds), metrics/train.json and the training
 curves; run/train/ holds the resumable state, and a rerun resumes from it when the params and

@@ -169,7 +169,6 @@ def check_params(params: PromptsParams) -> None:
 
 
 def build(params: PromptsParams, target_dir: Path = TARGET_DIR, out: Path = PROMPTS_DIR) -> dict[str, Any]:
-
     check_params(params)
     tokenizer = load_tokenizer(target_dir)
     log = DropLog()

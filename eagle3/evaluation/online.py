@@ -47,8 +47,8 @@ def request_stats(body: dict[str, Any], k: int) -> DecodeStats:
                        generated=body["usage"]["completion_tokens"])
 
 
-async def answer_all(state: server.ServerState, items: list[dict], concurrency: int, temperature: float, max_tokens: int,
-                     label: str, seed: int | None) -> list[list[dict[str, Any]]]:
+async def answer_all(state: server.ServerState, items: list[dict], concurrency: int, temperature: float,
+                     max_tokens: int, label: str, seed: int | None) -> list[list[dict[str, Any]]]:
     """Every question's turns, each later turn conditioned on the engine's own answers: the response bodies.
     `seed` None samples from the server's own seeded generator (see `request_seed`)."""
     limit = asyncio.Semaphore(concurrency)
